@@ -1,0 +1,90 @@
+"""Shared checks: run a function eagerly and through ``backend="tpucompile"`` and compare.
+
+Every comparison resets Dynamo first and compiles with ``fullgraph=True``, and checks that tpucompile
+really compiled a graph, so that a silent fallback to eager can never make a test pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from tpucompile import driver
+
+TOLERANCES = {
+    torch.float32: dict(atol=1e-5, rtol=1.3e-6 * 10),
+    torch.float64: dict(atol=1e-7, rtol=1e-7),
+    torch.bfloat16: dict(atol=1e-2, rtol=1.6e-2),
+    torch.float16: dict(atol=1e-3, rtol=1e-3),
+}
+
+
+def compile_fn(fn: Callable, **options: Any) -> Callable:
+    torch._dynamo.reset()
+    return torch.compile(fn, backend="tpucompile", fullgraph=True, options=options or None)
+
+
+def assert_close_tree(actual: Any, expected: Any, atol: float | None = None, rtol: float | None = None) -> None:
+    flat_actual, spec_actual = pytree.tree_flatten(actual)
+    flat_expected, spec_expected = pytree.tree_flatten(expected)
+    assert spec_actual == spec_expected, f"output structure {spec_actual} != {spec_expected}"
+    for a, e in zip(flat_actual, flat_expected, strict=True):
+        if isinstance(e, torch.Tensor):
+            assert isinstance(a, torch.Tensor), f"expected a tensor, got {type(a)}"
+            assert a.dtype == e.dtype, f"dtype {a.dtype} != {e.dtype}"
+            assert a.shape == e.shape, f"shape {tuple(a.shape)} != {tuple(e.shape)}"
+            tol = {} if atol is None else dict(atol=atol, rtol=rtol if rtol is not None else 0)
+            if not tol and e.dtype in TOLERANCES:
+                tol = TOLERANCES[e.dtype]
+            torch.testing.assert_close(a, e, equal_nan=True, **tol)
+        else:
+            assert a == e, f"{a!r} != {e!r}"
+
+
+def assert_compiles_like_eager(
+    fn: Callable,
+    *inputs: Any,
+    atol: float | None = None,
+    rtol: float | None = None,
+    grad: bool = False,
+    **options: Any,
+) -> Any:
+    """Compare ``fn(*inputs)`` eagerly and compiled; with ``grad`` also compare input gradients.
+
+    Returns the compiled result.
+    """
+    eager_inputs = _clone_inputs(inputs, grad)
+    compiled_inputs = _clone_inputs(inputs, grad)
+    expected = fn(*eager_inputs)
+    before = driver.graphs_compiled()
+    actual = compile_fn(fn, **options)(*compiled_inputs)
+    assert driver.graphs_compiled() > before, "tpucompile compiled no graph (did Dynamo fall back?)"
+    assert_close_tree(actual, expected, atol, rtol)
+    if grad:
+        _backward(expected)
+        _backward(actual)
+        for e, a in zip(eager_inputs, compiled_inputs, strict=True):
+            if isinstance(e, torch.Tensor) and e.requires_grad:
+                assert a.grad is not None, "compiled run produced no gradient"
+                assert_close_tree(a.grad, e.grad, atol, rtol)
+    return actual
+
+
+def _clone_inputs(inputs: Sequence[Any], grad: bool) -> list[Any]:
+    cloned = []
+    for value in inputs:
+        if isinstance(value, torch.Tensor):
+            value = value.detach().clone()
+            if grad and value.is_floating_point():
+                value.requires_grad_(True)
+        cloned.append(value)
+    return cloned
+
+
+def _backward(output: Any) -> None:
+    tensors = [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
+    total = sum((t.float() * torch.linspace(0.5, 1.5, t.numel()).reshape(t.shape)).sum() for t in tensors)
+    total.backward()

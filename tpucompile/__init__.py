@@ -1,0 +1,27 @@
+"""tpucompile: a torch.compile backend that lowers PyTorch graphs to StableHLO and runs them with XLA.
+
+    torch.compile(model, backend="tpucompile")
+
+The backend name is registered through the ``torch_dynamo_backends`` entry point, so no import is needed.
+"""
+
+__version__ = "0.1.0"
+
+from tpucompile.config import Options
+from tpucompile.errors import (
+    CompileError,
+    LoweringError,
+    OptionsError,
+    TpuCompileError,
+    UnsupportedOpError,
+)
+
+__all__ = [
+    "CompileError",
+    "LoweringError",
+    "Options",
+    "OptionsError",
+    "TpuCompileError",
+    "UnsupportedOpError",
+    "__version__",
+]

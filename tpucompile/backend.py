@@ -1,0 +1,47 @@
+"""The ``tpucompile`` backend for ``torch.compile``.
+
+Dynamo hands us an FX graph of torch-level ops. AOTAutograd functionalises it and, with our decomposition
+table, turns it into ATen graphs: one for inference, or a forward and a backward for training. Each ATen graph
+is compiled by ``driver.compile_graph``. Input mutations (BatchNorm running stats, in-place updates of
+buffers) are returned by the functional graph and written back by AOTAutograd's runtime wrapper.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.fx
+from torch._dynamo.backends.common import aot_autograd
+
+from tpucompile.config import Options
+from tpucompile.driver import compile_graph
+from tpucompile.passes import decomposition_table
+
+_graph_counter = itertools.count()
+
+
+def tpucompile_backend(
+    gm: torch.fx.GraphModule,
+    example_inputs: list[torch.Tensor],
+    options: Mapping[str, Any] | None = None,
+    mode: str | None = None,
+) -> Callable[..., Any]:
+    """Entry point Dynamo calls for ``torch.compile(model, backend="tpucompile", options=...)``."""
+    config = Options.from_sources(options)
+    index = next(_graph_counter)
+
+    def compiler(role: str) -> Callable[[torch.fx.GraphModule, list[Any]], Callable]:
+        def compile_role(aten_gm: torch.fx.GraphModule, aten_inputs: list[Any]) -> Callable:
+            return compile_graph(aten_gm, aten_inputs, config, f"graph {index} ({role})")
+
+        return compile_role
+
+    return aot_autograd(
+        fw_compiler=compiler("forward"),
+        bw_compiler=compiler("backward"),
+        inference_compiler=compiler("inference"),
+        decompositions=decomposition_table(),
+    )(gm, example_inputs)

@@ -1,0 +1,23 @@
+"""The exceptions a user can see. Each message names what is wrong and where in the user's code."""
+
+from __future__ import annotations
+
+
+class TpuCompileError(Exception):
+    """Base class of every error tpucompile raises on purpose."""
+
+
+class OptionsError(TpuCompileError, ValueError):
+    """An option passed to ``torch.compile(..., options=...)`` or the environment is invalid."""
+
+
+class UnsupportedOpError(TpuCompileError, NotImplementedError):
+    """The graph holds an ATen op, dtype or argument that tpucompile cannot lower."""
+
+
+class LoweringError(TpuCompileError):
+    """A lowering rule failed on a node it claims to support (a bug in tpucompile)."""
+
+
+class CompileError(TpuCompileError):
+    """XLA refused a module that tpucompile built."""

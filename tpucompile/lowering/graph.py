@@ -1,0 +1,251 @@
+"""ATen FX graph → one StableHLO module with a public ``func.func @main``.
+
+Tensor placeholders become the function's arguments in graph order. Nodes whose value is a Python number
+(SymInt arithmetic, ``sym_size``) are not lowered: they are evaluated to constants, since every module is
+compiled for one concrete set of sizes. Graph outputs that are not results of the program (an input
+returned as is, a size) are described by an output plan that the runtime follows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.fx
+from jax.extend.mlir import ir
+from jax.extend.mlir.dialects import func
+
+from tpucompile import diagnostics
+from tpucompile.errors import LoweringError, TpuCompileError, UnsupportedOpError
+from tpucompile.lowering import builder
+from tpucompile.lowering.context import mlir_context
+from tpucompile.lowering.registry import LoweringContext, lookup_rule
+from tpucompile.lowering.shapes import ShapeBindings
+from tpucompile.lowering.types import SUPPORTED_DTYPES, TensorSpec, spec_of, spec_type
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputSlot:
+    """Where one graph output comes from: ``result`` i of the program, ``input`` j as is, or a ``constant``."""
+
+    kind: str
+    index: int = 0
+    value: Any = None
+
+
+@dataclasses.dataclass
+class LoweredProgram:
+    """A lowered graph: the module and the calling convention the runtime needs to run it."""
+
+    module: ir.Module
+    input_specs: list[TensorSpec]
+    """Specs of the module's arguments, in order."""
+    input_positions: list[int]
+    """For each module argument, the index of the graph placeholder it comes from."""
+    result_specs: list[TensorSpec]
+    output_plan: list[OutputSlot]
+
+    def text(self, debug_info: bool = True) -> str:
+        """StableHLO text; with ``debug_info`` it carries the user's source locations."""
+        return self.module.operation.get_asm(enable_debug_info=debug_info)
+
+    def bytecode(self) -> bytes:
+        """MLIR bytecode of the module, the cheapest form to hand to XLA."""
+        import io
+
+        stream = io.BytesIO()
+        self.module.operation.write_bytecode(stream)
+        return stream.getvalue()
+
+
+def lower_graph(
+    gm: torch.fx.GraphModule, bindings: ShapeBindings | None = None, verify: bool = True
+) -> LoweredProgram:
+    """Lower ``gm`` (a functional ATen graph) to StableHLO for the sizes in ``bindings``."""
+    bindings = bindings or ShapeBindings()
+    with mlir_context(), ir.Location.unknown():
+        return _GraphLowering(gm, bindings).run(verify)
+
+
+class _GraphLowering:
+    def __init__(self, gm: torch.fx.GraphModule, bindings: ShapeBindings) -> None:
+        self.gm = gm
+        self.bindings = bindings
+        self.env: dict[torch.fx.Node, Any] = {}
+
+    def run(self, verify: bool) -> LoweredProgram:
+        graph = self.gm.graph
+        placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+        tensor_inputs = [
+            (i, n) for i, n in enumerate(placeholders) if isinstance(n.meta.get("val"), torch.Tensor)
+        ]
+        input_specs = [self._spec(n) for _, n in tensor_inputs]
+        output_node = graph.output_node()
+        outputs = output_node.args[0]
+        outputs = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
+        result_nodes = [o for o in outputs if self._is_result(o)]
+        result_specs = [self._spec(n) for n in dict.fromkeys(result_nodes)]
+
+        module = ir.Module.create()
+        with ir.InsertionPoint(module.body):
+            function_type = ir.FunctionType.get(
+                [spec_type(s) for s in input_specs], [spec_type(s) for s in result_specs]
+            )
+            main = func.FuncOp("main", function_type)
+            main.attributes["sym_visibility"] = ir.StringAttr.get("public")
+            block = main.add_entry_block()
+        for (_, node), arg in zip(tensor_inputs, block.arguments, strict=True):
+            self.env[node] = arg
+        for node in placeholders:
+            if node not in self.env:
+                self.env[node] = self.bindings.resolve(node.meta.get("val"))
+
+        with ir.InsertionPoint(block):
+            for node in graph.nodes:
+                if node.op == "call_function":
+                    self.env[node] = self._lower_call(node)
+                elif node.op == "get_attr":
+                    self.env[node] = self._lower_constant(node)
+            unique_results = list(dict.fromkeys(result_nodes))
+            func.ReturnOp([self.env[n] for n in unique_results])
+
+        input_index = {node: k for k, (_, node) in enumerate(tensor_inputs)}
+        plan = []
+        for out in outputs:
+            if out in unique_results:
+                plan.append(OutputSlot("result", unique_results.index(out)))
+            elif isinstance(out, torch.fx.Node) and out.op == "placeholder" and out in input_index:
+                plan.append(OutputSlot("input", placeholders.index(out)))
+            elif isinstance(out, torch.fx.Node):
+                plan.append(OutputSlot("constant", value=self.env[out]))
+            else:
+                plan.append(OutputSlot("constant", value=out))
+        if verify:
+            _verify(module)
+        return LoweredProgram(
+            module=module,
+            input_specs=input_specs,
+            input_positions=[i for i, _ in tensor_inputs],
+            result_specs=result_specs,
+            output_plan=plan,
+        )
+
+    def _is_result(self, out: Any) -> bool:
+        return (
+            isinstance(out, torch.fx.Node)
+            and out.op != "placeholder"
+            and isinstance(out.meta.get("val"), torch.Tensor)
+        )
+
+    def _spec(self, node: torch.fx.Node) -> TensorSpec:
+        val = node.meta["val"]
+        if val.dtype not in SUPPORTED_DTYPES:
+            raise UnsupportedOpError(f"dtype {val.dtype} is not supported: {diagnostics.describe_node(node)}")
+        return self.bindings.spec(val)
+
+    def _lower_constant(self, node: torch.fx.Node) -> Any:
+        value = getattr(self.gm, str(node.target))
+        if not isinstance(value, torch.Tensor):
+            return value
+        if value.dtype not in SUPPORTED_DTYPES:
+            raise UnsupportedOpError(f"constant {node.target!r} has unsupported dtype {value.dtype}")
+        with _location(node):
+            return builder.dense_constant(value)
+
+    def _lower_call(self, node: torch.fx.Node) -> Any:
+        val = node.meta.get("val")
+        if node.target is operator.getitem:
+            return self.env[node.args[0]][node.args[1]]
+        if val is not None and not isinstance(val, (torch.Tensor, list, tuple)):
+            return self.bindings.resolve(val)  # SymInt arithmetic: a constant of this specialisation
+        rule = lookup_rule(node.target)
+        if rule is None:
+            raise UnsupportedOpError(f"no lowering for {diagnostics.describe_node(node)}")
+        self._check_dtypes(node)
+        args = [self._materialize(a) for a in node.args]
+        kwargs = {k: self._materialize(v) for k, v in node.kwargs.items()}
+        ctx = LoweringContext(
+            node=node,
+            avals_out=self._output_specs(val),
+            operand_metas=[_meta(a) for a in node.args],
+        )
+        with _location(node):
+            try:
+                result = rule(ctx, args, kwargs)
+            except TpuCompileError as error:
+                if diagnostics.op_name(node.target) in str(error):
+                    raise
+                raise type(error)(f"{error}\n  while lowering {diagnostics.describe_node(node)}") from error
+            except Exception as error:  # a bug in a rule: name the node, keep the cause chained
+                raise LoweringError(
+                    f"lowering {diagnostics.describe_node(node)} failed: {type(error).__name__}: {error}"
+                ) from error
+        self._check_result(node, ctx, result)
+        return result
+
+    def _check_dtypes(self, node: torch.fx.Node) -> None:
+        for value in [*node.args, *node.kwargs.values(), node]:
+            meta = _meta(value)
+            if isinstance(meta, torch.Tensor) and meta.dtype not in SUPPORTED_DTYPES:
+                raise UnsupportedOpError(
+                    f"dtype {meta.dtype} is not supported: {diagnostics.describe_node(node)}"
+                )
+
+    def _output_specs(self, val: Any) -> list[TensorSpec | None]:
+        if isinstance(val, (list, tuple)):
+            return [self.bindings.spec(v) if isinstance(v, torch.Tensor) else None for v in val]
+        return [self.bindings.spec(val)] if isinstance(val, torch.Tensor) else [None]
+
+    def _check_result(self, node: torch.fx.Node, ctx: LoweringContext, result: Any) -> None:
+        """A rule must produce exactly the types the traced graph promised; catch rule bugs here."""
+        results = list(result) if isinstance(result, (list, tuple)) else [result]
+        if len(results) != len(ctx.avals_out):
+            raise LoweringError(
+                f"rule for {diagnostics.describe_node(node)} returned {len(results)} values, "
+                f"expected {len(ctx.avals_out)}"
+            )
+        for got, expected in zip(results, ctx.avals_out, strict=True):
+            if expected is None or got is None:
+                continue
+            actual = spec_of(got)
+            if actual != expected:
+                raise LoweringError(
+                    f"rule for {diagnostics.describe_node(node)} produced {actual}, expected {expected}"
+                )
+
+    def _materialize(self, arg: Any) -> Any:
+        if isinstance(arg, torch.fx.Node):
+            return self.env[arg]
+        if isinstance(arg, (list, tuple)):
+            return type(arg)(self._materialize(a) for a in arg)
+        return self.bindings.resolve(arg)
+
+
+def _meta(arg: Any) -> Any:
+    if isinstance(arg, torch.fx.Node):
+        return arg.meta.get("val")
+    if isinstance(arg, (list, tuple)):
+        return [_meta(a) for a in arg]
+    return arg
+
+
+def _location(node: torch.fx.Node) -> ir.Location:
+    name = diagnostics.op_name(node.target)
+    where = diagnostics.source_location(node)
+    if where is None:
+        return ir.Location.name(name)
+    return ir.Location.name(name, childLoc=ir.Location.file(where.file, where.line, 0))
+
+
+def _verify(module: ir.Module) -> None:
+    try:
+        module.operation.verify()
+    except ir.MLIRError as error:
+        raise LoweringError(f"tpucompile built an invalid StableHLO module: {error}") from error
+
+
+def result_count(plan: Sequence[OutputSlot]) -> int:
+    return sum(1 for slot in plan if slot.kind == "result")

@@ -1,0 +1,130 @@
+"""The table of lowering rules: ATen OpOverload → a small function that emits StableHLO.
+
+A rule is registered once per overload with the policy it needs. With ``promote=KIND`` the registry does
+PyTorch's elementwise type promotion (``torch._prims_common.elementwise_dtypes``) and broadcasting before the
+rule runs, and the cast to the node's result dtype after it, so an elementwise rule only says which StableHLO
+op computes it::
+
+    register_lowering(aten.add.Tensor, promote=DEFAULT)(lambda ctx, a, b, alpha=1: ...)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from jax.extend.mlir import ir
+from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
+
+from tpucompile.lowering import builder
+from tpucompile.lowering.types import TensorSpec
+
+PromotionKind = ELEMENTWISE_TYPE_PROMOTION_KIND
+
+
+@dataclasses.dataclass
+class LoweringContext:
+    """What a rule may know besides its MLIR operands: the node, and the static types around it."""
+
+    node: torch.fx.Node
+    avals_out: list[TensorSpec | None]
+    """One spec per result of the op (None for results that are not tensors)."""
+    operand_metas: list[Any]
+    """``node.meta["val"]`` (fake tensor, SymInt, or the Python value) of each positional argument."""
+    compute_dtype: torch.dtype | None = None
+    """With a promotion policy: the dtype the operands were converted to."""
+
+    @property
+    def aval_out(self) -> TensorSpec:
+        spec = self.avals_out[0]
+        assert spec is not None, f"{self.node.target} has no tensor result"
+        return spec
+
+
+Rule = Callable[..., ir.Value | Sequence[ir.Value]]
+
+
+@dataclasses.dataclass(frozen=True)
+class LoweringRule:
+    fn: Rule
+    promote: PromotionKind | None
+    operands: tuple[int, ...] | None
+
+    def __call__(self, ctx: LoweringContext, args: list[Any], kwargs: dict[str, Any]) -> Any:
+        if self.promote is None:
+            return self.fn(ctx, *args, **kwargs)
+        return self._call_elementwise(ctx, args, kwargs)
+
+    def _call_elementwise(self, ctx: LoweringContext, args: list[Any], kwargs: dict[str, Any]) -> Any:
+        positions = self.operands
+        if positions is None:
+            positions = tuple(i for i, a in enumerate(args) if _is_operand(a))
+        positions = tuple(p for p in positions if p < len(args) and _is_operand(args[p]))
+        promotion_args = [_promotion_arg(ctx.operand_metas[p], args[p]) for p in positions]
+        compute_dtype, _ = elementwise_dtypes(*promotion_args, type_promotion_kind=self.promote)
+        ctx.compute_dtype = compute_dtype
+        out_shape = ctx.aval_out.shape
+        args = list(args)
+        for p in positions:
+            arg = args[p]
+            if isinstance(arg, ir.Value):
+                args[p] = builder.broadcast_to(builder.convert(arg, compute_dtype), out_shape)
+            else:
+                args[p] = builder.constant(arg, compute_dtype, out_shape)
+        result = self.fn(ctx, *args, **kwargs)
+        return builder.convert(result, ctx.aval_out.dtype)
+
+
+def _is_operand(arg: Any) -> bool:
+    return isinstance(arg, (ir.Value, bool, int, float))
+
+
+def _promotion_arg(meta: Any, arg: Any) -> Any:
+    if isinstance(arg, ir.Value):
+        return meta
+    return arg  # a Python scalar: it takes part in promotion with lower priority than tensors
+
+
+_RULES: dict[torch._ops.OpOverload, LoweringRule] = {}
+
+
+def register_lowering(
+    *ops: torch._ops.OpOverload | torch._ops.OpOverloadPacket,
+    promote: PromotionKind | None = None,
+    operands: Sequence[int] | None = None,
+) -> Callable[[Rule], Rule]:
+    """Register ``fn`` as the lowering of ``ops`` (an overload packet registers all its overloads).
+
+    ``promote`` enables elementwise type promotion and broadcasting of the positional arguments listed in
+    ``operands`` (all tensor and scalar positional arguments when None).
+    """
+
+    def decorate(fn: Rule) -> Rule:
+        rule = LoweringRule(fn, promote, tuple(operands) if operands is not None else None)
+        for op in ops:
+            overloads = (
+                [getattr(op, name) for name in op.overloads()]
+                if isinstance(op, torch._ops.OpOverloadPacket)
+                else [op]
+            )
+            for overload in overloads:
+                if overload in _RULES:
+                    raise ValueError(f"duplicate lowering for {overload}")
+                _RULES[overload] = rule
+        return fn
+
+    return decorate
+
+
+def lookup_rule(op: object) -> LoweringRule | None:
+    return _RULES.get(op)  # type: ignore[arg-type]
+
+
+def has_lowering(op: object) -> bool:
+    return op in _RULES
+
+
+def registered_ops() -> list[torch._ops.OpOverload]:
+    return sorted(_RULES, key=str)

@@ -1,0 +1,12 @@
+"""Lowering rules, one module per op family. Importing this package registers them all."""
+
+from tpucompile.lowering.rules import (  # noqa: F401
+    conversions,
+    creation,
+    elementwise,
+    matmul,
+    normalization,
+    reductions,
+    unary,
+    views,
+)

@@ -1,0 +1,74 @@
+"""Tensors created from nothing: full, zeros/ones-likes, arange/iota, scalar_tensor, empty."""
+
+from __future__ import annotations
+
+import torch
+from jax.extend.mlir.dialects import stablehlo as hlo
+
+from tpucompile.lowering import builder
+from tpucompile.lowering.registry import register_lowering
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+
+
+@register_lowering(aten.full.default)
+def _full(ctx, size, fill_value, **kwargs):
+    return builder.constant(fill_value, ctx.aval_out.dtype, ctx.aval_out.shape)
+
+
+@register_lowering(aten.full_like.default)
+def _full_like(ctx, like, fill_value, **kwargs):
+    return builder.constant(fill_value, ctx.aval_out.dtype, ctx.aval_out.shape)
+
+
+@register_lowering(aten.scalar_tensor.default)
+def _scalar_tensor(ctx, value, **kwargs):
+    return builder.constant(value, ctx.aval_out.dtype, ())
+
+
+@register_lowering(
+    aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.default,
+    aten.zeros.default, aten.zeros_like.default,
+)
+def _zeros(ctx, *args, **kwargs):
+    """Uninitialised memory has no meaning in a value program: empty tensors are zeros."""
+    return builder.constant(0, ctx.aval_out.dtype, ctx.aval_out.shape)
+
+
+@register_lowering(aten.ones.default, aten.ones_like.default)
+def _ones(ctx, *args, **kwargs):
+    return builder.constant(1, ctx.aval_out.dtype, ctx.aval_out.shape)
+
+
+def _arange(ctx, start, step):
+    spec = ctx.aval_out
+    dtype = spec.dtype
+    # Integers count exactly; floats are computed as start + i * step in (at least) f32, then rounded.
+    compute = dtype if not dtype.is_floating_point or dtype.itemsize >= 4 else torch.float32
+    index = builder.iota(spec.shape, compute, 0)
+    values = hlo.add(
+        builder.constant(start, compute, spec.shape),
+        hlo.multiply(index, builder.constant(step, compute, spec.shape)),
+    )
+    return builder.convert(values, dtype)
+
+
+@register_lowering(aten.arange.default)
+def _arange_end(ctx, end, **kwargs):
+    return _arange(ctx, 0, 1)
+
+
+@register_lowering(aten.arange.start)
+def _arange_start(ctx, start, end, **kwargs):
+    return _arange(ctx, start, 1)
+
+
+@register_lowering(aten.arange.start_step)
+def _arange_start_step(ctx, start, end, step=1, **kwargs):
+    return _arange(ctx, start, step)
+
+
+@register_lowering(prims.iota.default)
+def _iota(ctx, length, *, start, step, **kwargs):
+    return _arange(ctx, start, step)

@@ -1,0 +1,202 @@
+"""Reductions with PyTorch's result dtypes: integer and bool sums give int64 (the traced graph says which),
+low-precision floats accumulate in f32, max/min propagate NaN, argmax/argmin return the first index of
+the extreme value and treat NaN as the extreme."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from jax.extend.mlir.dialects import stablehlo as hlo
+
+from tpucompile.lowering import builder
+from tpucompile.lowering.registry import register_lowering
+
+aten = torch.ops.aten
+
+
+def _dims(x, dim) -> list[int]:
+    rank = builder.rank_of(x)
+    if dim is None or (isinstance(dim, (list, tuple)) and len(dim) == 0):
+        return list(range(rank))
+    if isinstance(dim, int):
+        dim = [dim]
+    return sorted({d % rank for d in dim}) if rank else []
+
+
+def _accumulator(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+
+
+def _keep(ctx, value):
+    """Reshape a reduced value to the traced result shape (restores kept dims)."""
+    return builder.reshape(value, ctx.aval_out.shape)
+
+
+def reduce_sum(x, dims: list[int]):
+    dtype = builder.dtype_of(x)
+    if not dims:
+        return x
+    zero = builder.constant(0, dtype, ())
+    return builder.reduce([x], [zero], dims, lambda acc, el: [hlo.add(acc[0], el[0])])[0]
+
+
+@register_lowering(aten.sum.dim_IntList, aten.sum.default)
+def _sum(ctx, x, dim=None, keepdim=False, *, dtype=None):
+    out = ctx.aval_out.dtype
+    x = builder.convert(x, _accumulator(out))
+    return _keep(ctx, builder.convert(reduce_sum(x, _dims(x, dim)), out))
+
+
+@register_lowering(aten.mean.dim, aten.mean.default)
+def _mean(ctx, x, dim=None, keepdim=False, *, dtype=None):
+    out = ctx.aval_out.dtype
+    dims = _dims(x, dim)
+    count = math.prod(builder.shape_of(x)[d] for d in dims)
+    x = builder.convert(x, _accumulator(out))
+    total = reduce_sum(x, dims)
+    mean = hlo.divide(total, builder.constant(count, builder.dtype_of(total), builder.shape_of(total)))
+    return _keep(ctx, builder.convert(mean, out))
+
+
+@register_lowering(aten.prod.default, aten.prod.dim_int)
+def _prod(ctx, x, dim=None, keepdim=False, *, dtype=None):
+    out = ctx.aval_out.dtype
+    x = builder.convert(x, _accumulator(out))
+    one = builder.constant(1, builder.dtype_of(x), ())
+    dims = _dims(x, dim)
+    result = builder.reduce([x], [one], dims, lambda acc, el: [hlo.multiply(acc[0], el[0])])[0] if dims else x
+    return _keep(ctx, builder.convert(result, out))
+
+
+def _extreme(x, dims, is_max: bool):
+    dtype = builder.dtype_of(x)
+    if not dims:
+        return x
+    if dtype is torch.bool:
+        init = builder.constant(not is_max, torch.bool, ())
+        combine = hlo.or_ if is_max else hlo.and_
+    else:
+        init = builder.constant(builder.min_value(dtype) if is_max else builder.max_value(dtype), dtype, ())
+        combine = hlo.maximum if is_max else hlo.minimum
+    return builder.reduce([x], [init], dims, lambda acc, el: [combine(acc[0], el[0])])[0]
+
+
+@register_lowering(aten.amax.default, aten.max.default)
+def _amax(ctx, x, dim=None, keepdim=False):
+    return _keep(ctx, _extreme(x, _dims(x, dim), True))
+
+
+@register_lowering(aten.amin.default, aten.min.default)
+def _amin(ctx, x, dim=None, keepdim=False):
+    return _keep(ctx, _extreme(x, _dims(x, dim), False))
+
+
+@register_lowering(aten.any.default, aten.any.dim, aten.any.dims)
+def _any(ctx, x, dim=None, keepdim=False):
+    x = builder.convert(x, torch.bool)
+    return _keep(ctx, builder.convert(_extreme(x, _dims(x, dim), True), ctx.aval_out.dtype))
+
+
+@register_lowering(aten.all.default, aten.all.dim, aten.all.dims)
+def _all(ctx, x, dim=None, keepdim=False):
+    x = builder.convert(x, torch.bool)
+    return _keep(ctx, builder.convert(_extreme(x, _dims(x, dim), False), ctx.aval_out.dtype))
+
+
+def arg_extreme(x, dim: int, is_max: bool):
+    """(values, int64 indices) of the max/min along ``dim``: first index wins ties, NaN counts as extreme."""
+    shape = builder.shape_of(x)
+    dtype = builder.dtype_of(x)
+    indices = builder.iota(shape, torch.int64, dim)
+    init_value = builder.constant(builder.min_value(dtype) if is_max else builder.max_value(dtype), dtype, ())
+    init_index = builder.constant(0, torch.int64, ())
+    direction = "GT" if is_max else "LT"
+
+    def body(acc, el):
+        (a, ia), (b, ib) = acc, el
+        a_better = builder.compare(a, b, direction)
+        equal = builder.compare(a, b, "EQ")
+        if dtype.is_floating_point:
+            a_nan, b_nan = builder.is_nan(a), builder.is_nan(b)
+            a_better = hlo.or_(a_better, hlo.and_(a_nan, hlo.not_(b_nan)))
+            equal = hlo.or_(equal, hlo.and_(a_nan, b_nan))
+        pick_a = hlo.or_(a_better, hlo.and_(equal, builder.compare(ia, ib, "LT")))
+        return [builder.select(pick_a, a, b), builder.select(pick_a, ia, ib)]
+
+    return builder.reduce([x, indices], [init_value, init_index], [dim], body)
+
+
+@register_lowering(aten.argmax.default)
+def _argmax(ctx, x, dim=None, keepdim=False):
+    if dim is None:
+        x, dim = builder.reshape(x, (math.prod(builder.shape_of(x)),)), 0
+    return _keep(ctx, arg_extreme(x, dim % max(builder.rank_of(x), 1), True)[1])
+
+
+@register_lowering(aten.argmin.default)
+def _argmin(ctx, x, dim=None, keepdim=False):
+    if dim is None:
+        x, dim = builder.reshape(x, (math.prod(builder.shape_of(x)),)), 0
+    return _keep(ctx, arg_extreme(x, dim % max(builder.rank_of(x), 1), False)[1])
+
+
+def _values_and_indices(ctx, x, dim, is_max):
+    if builder.rank_of(x) == 0:
+        return x, builder.constant(0, torch.int64, ())
+    values, indices = arg_extreme(x, dim % builder.rank_of(x), is_max)
+    return (builder.reshape(values, ctx.avals_out[0].shape), builder.reshape(indices, ctx.avals_out[1].shape))
+
+
+@register_lowering(aten.max.dim)
+def _max_dim(ctx, x, dim, keepdim=False):
+    return _values_and_indices(ctx, x, dim, True)
+
+
+@register_lowering(aten.min.dim)
+def _min_dim(ctx, x, dim, keepdim=False):
+    return _values_and_indices(ctx, x, dim, False)
+
+
+def _variance(x, dims, correction):
+    count = math.prod(builder.shape_of(x)[d] for d in dims)
+    total = reduce_sum(x, dims)
+    shape = builder.shape_of(x)
+    mean = hlo.divide(total, builder.constant(count, builder.dtype_of(x), builder.shape_of(total)))
+    kept = [1 if i in dims else s for i, s in enumerate(shape)]
+    centered = hlo.subtract(x, builder.broadcast_to(builder.reshape(mean, kept), shape))
+    squares = reduce_sum(hlo.multiply(centered, centered), dims)
+    divisor = max(count - correction, 0)
+    var = hlo.divide(squares, builder.constant(divisor, builder.dtype_of(x), builder.shape_of(squares)))
+    return var, mean
+
+
+def _correction(correction, unbiased=None):
+    if correction is not None:
+        return correction
+    return 1 if unbiased is None or unbiased else 0
+
+
+@register_lowering(aten.var.correction)
+def _var(ctx, x, dim=None, *, correction=None, keepdim=False):
+    out = ctx.aval_out.dtype
+    x = builder.convert(x, _accumulator(out))
+    var, _ = _variance(x, _dims(x, dim), _correction(correction))
+    return _keep(ctx, builder.convert(var, out))
+
+
+@register_lowering(aten.std.correction)
+def _std(ctx, x, dim=None, *, correction=None, keepdim=False):
+    out = ctx.aval_out.dtype
+    x = builder.convert(x, _accumulator(out))
+    var, _ = _variance(x, _dims(x, dim), _correction(correction))
+    return _keep(ctx, builder.convert(hlo.sqrt(var), out))
+
+
+@register_lowering(aten.var_mean.correction)
+def _var_mean(ctx, x, dim=None, *, correction=None, keepdim=False):
+    out = ctx.avals_out[0].dtype
+    x = builder.convert(x, _accumulator(out))
+    var, mean = _variance(x, _dims(x, dim), _correction(correction))
+    shape = ctx.avals_out[0].shape
+    return builder.reshape(builder.convert(var, out), shape), builder.reshape(builder.convert(mean, out), shape)

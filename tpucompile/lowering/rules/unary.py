@@ -1,0 +1,156 @@
+"""Unary math and activation functions.
+
+Integer inputs of transcendental functions are promoted to float (``INT_TO_FLOAT``), bf16/f16 are computed
+in f32 and rounded once at the end, as PyTorch's CPU kernels do.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from jax.extend.mlir.dialects import chlo
+from jax.extend.mlir.dialects import stablehlo as hlo
+
+from tpucompile.lowering import builder
+from tpucompile.lowering.registry import PromotionKind as K
+from tpucompile.lowering.registry import register_lowering
+from tpucompile.lowering.rules.elementwise import trunc
+
+aten = torch.ops.aten
+
+
+def _const_like(value, like):
+    return builder.constant(value, builder.dtype_of(like), builder.shape_of(like))
+
+
+def _unary(op, *overloads, promote=K.INT_TO_FLOAT):
+    register_lowering(*overloads, promote=promote)(lambda ctx, x: op(x))
+
+
+_unary(hlo.exponential, aten.exp.default)
+_unary(lambda x: hlo.exponential(hlo.multiply(x, _const_like(math.log(2.0), x))), aten.exp2.default)
+_unary(hlo.exponential_minus_one, aten.expm1.default)
+_unary(hlo.log, aten.log.default)
+_unary(hlo.log_plus_one, aten.log1p.default)
+_unary(lambda x: hlo.divide(hlo.log(x), _const_like(math.log(2.0), x)), aten.log2.default)
+_unary(lambda x: hlo.divide(hlo.log(x), _const_like(math.log(10.0), x)), aten.log10.default)
+_unary(hlo.sqrt, aten.sqrt.default)
+_unary(hlo.rsqrt, aten.rsqrt.default)
+_unary(hlo.sine, aten.sin.default)
+_unary(hlo.cosine, aten.cos.default)
+_unary(hlo.tan, aten.tan.default)
+_unary(hlo.tanh, aten.tanh.default)
+_unary(chlo.asin, aten.asin.default)
+_unary(chlo.acos, aten.acos.default)
+_unary(chlo.atan, aten.atan.default)
+_unary(chlo.sinh, aten.sinh.default)
+_unary(chlo.cosh, aten.cosh.default)
+_unary(chlo.asinh, aten.asinh.default)
+_unary(chlo.acosh, aten.acosh.default)
+_unary(chlo.atanh, aten.atanh.default)
+_unary(chlo.erf, aten.erf.default)
+_unary(chlo.erfc, aten.erfc.default)
+_unary(chlo.erf_inv, aten.erfinv.default)
+_unary(chlo.lgamma, aten.lgamma.default)
+_unary(chlo.digamma, aten.digamma.default)
+_unary(hlo.logistic, aten.sigmoid.default)
+_unary(lambda x: hlo.divide(_const_like(1, x), x), aten.reciprocal.default)
+_unary(hlo.negate, aten.neg.default, promote=K.DEFAULT)
+_unary(hlo.abs, aten.abs.default, promote=K.DEFAULT)
+
+
+def _float_only(op):
+    return lambda x: op(x) if builder.dtype_of(x).is_floating_point else x
+
+
+_unary(_float_only(hlo.floor), aten.floor.default, promote=K.DEFAULT)
+_unary(_float_only(hlo.ceil), aten.ceil.default, promote=K.DEFAULT)
+_unary(_float_only(hlo.round_nearest_even), aten.round.default, promote=K.DEFAULT)
+_unary(trunc, aten.trunc.default, promote=K.DEFAULT)
+_unary(lambda x: x, aten.positive.default, promote=K.DEFAULT)
+
+
+@register_lowering(aten.round.decimals, promote=K.DEFAULT)
+def _round_decimals(ctx, x, decimals=0):
+    scale = _const_like(10.0**decimals, x)
+    return hlo.divide(hlo.round_nearest_even(hlo.multiply(x, scale)), scale)
+
+
+@register_lowering(aten.sign.default, aten.sgn.default, promote=K.DEFAULT)
+def _sign(ctx, x):
+    dtype = builder.dtype_of(x)
+    if dtype is torch.bool:
+        return x
+    return hlo.sign(x)  # NaN stays NaN, as in torch
+
+
+@register_lowering(aten.signbit.default, promote=K.ALWAYS_BOOL)
+def _signbit(ctx, x):
+    dtype = builder.dtype_of(x)
+    if not dtype.is_floating_point:
+        return builder.compare(x, _const_like(0, x), "LT")
+    bits = {torch.float32: torch.int32, torch.float64: torch.int64, torch.float16: torch.int16,
+            torch.bfloat16: torch.int16}[dtype]
+    as_int = hlo.bitcast_convert(builder.tensor_type(builder.shape_of(x), bits), x)
+    return builder.compare(as_int, builder.constant(0, bits, builder.shape_of(x)), "LT")
+
+
+@register_lowering(aten.isnan.default, promote=K.ALWAYS_BOOL)
+def _isnan(ctx, x):
+    if not builder.dtype_of(x).is_floating_point:
+        return builder.constant(False, torch.bool, builder.shape_of(x))
+    return builder.is_nan(x)
+
+
+@register_lowering(aten.isinf.default, promote=K.ALWAYS_BOOL)
+def _isinf(ctx, x):
+    if not builder.dtype_of(x).is_floating_point:
+        return builder.constant(False, torch.bool, builder.shape_of(x))
+    return builder.compare(hlo.abs(x), _const_like(float("inf"), x), "EQ")
+
+
+@register_lowering(aten.isfinite.default, promote=K.ALWAYS_BOOL)
+def _isfinite(ctx, x):
+    if not builder.dtype_of(x).is_floating_point:
+        return builder.constant(True, torch.bool, builder.shape_of(x))
+    return hlo.is_finite(x)
+
+
+@register_lowering(aten.relu.default, promote=K.DEFAULT)
+def _relu(ctx, x):
+    if builder.dtype_of(x) is torch.bool:
+        return x
+    return hlo.maximum(x, _const_like(0, x))
+
+
+@register_lowering(aten.gelu.default, promote=K.DEFAULT)
+def _gelu(ctx, x, approximate="none"):
+    half = _const_like(0.5, x)
+    one = _const_like(1.0, x)
+    if approximate == "tanh":
+        inner = hlo.multiply(
+            _const_like(math.sqrt(2.0 / math.pi), x),
+            hlo.add(x, hlo.multiply(_const_like(0.044715, x), hlo.multiply(x, hlo.multiply(x, x)))),
+        )
+        return hlo.multiply(hlo.multiply(half, x), hlo.add(one, hlo.tanh(inner)))
+    erf = chlo.erf(hlo.multiply(x, _const_like(1.0 / math.sqrt(2.0), x)))
+    return hlo.multiply(hlo.multiply(half, x), hlo.add(one, erf))
+
+
+@register_lowering(aten.silu.default, promote=K.DEFAULT)
+def _silu(ctx, x):
+    return hlo.multiply(x, hlo.logistic(x))
+
+
+@register_lowering(aten.nan_to_num.default, promote=K.DEFAULT)
+def _nan_to_num(ctx, x, nan=None, posinf=None, neginf=None):
+    dtype = builder.dtype_of(x)
+    if not dtype.is_floating_point:
+        return x
+    info = torch.finfo(dtype)
+    x = builder.select(builder.is_nan(x), _const_like(0.0 if nan is None else nan, x), x)
+    x = builder.select(builder.compare(x, _const_like(float("inf"), x), "EQ"),
+                       _const_like(info.max if posinf is None else posinf, x), x)
+    return builder.select(builder.compare(x, _const_like(float("-inf"), x), "EQ"),
+                          _const_like(info.min if neginf is None else neginf, x), x)

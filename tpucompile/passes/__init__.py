@@ -1,0 +1,40 @@
+"""Graph → graph passes over functional ATen FX graphs, run before lowering.
+
+Each pass is a small function with its own test; ``run_passes`` is the order the compiler uses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.fx
+
+from tpucompile.passes.constants import lift_large_constants
+from tpucompile.passes.dead_code import eliminate_dead_code
+from tpucompile.passes.decompositions import decomposition_table
+from tpucompile.passes.noop_views import remove_noop_views
+
+
+@dataclasses.dataclass
+class PassResult:
+    lifted_constants: list[torch.Tensor]
+    """Constants turned into trailing arguments (see ``lift_large_constants``)."""
+
+
+def run_passes(gm: torch.fx.GraphModule, embed_constant_limit: int) -> PassResult:
+    """Clean ``gm`` in place: drop no-op views and dead code, lift large constants."""
+    remove_noop_views(gm)
+    eliminate_dead_code(gm)
+    lifted = lift_large_constants(gm, embed_constant_limit)
+    return PassResult(lifted_constants=lifted)
+
+
+__all__ = [
+    "PassResult",
+    "decomposition_table",
+    "eliminate_dead_code",
+    "lift_large_constants",
+    "remove_noop_views",
+    "run_passes",
+]

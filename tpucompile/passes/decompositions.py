@@ -1,0 +1,88 @@
+"""The decomposition table AOTAutograd traces with: PyTorch's core ATen table plus our own choices.
+
+Ops we lower whole (softmax, layer norm, GELU) are kept out of the table so XLA sees them as one unit; ops
+whose PyTorch decomposition is what we would write by hand (batch norm, embedding, dropout) are taken from
+``torch._decomp``. Attention is decomposed to its math form *before* autograd, so that its backward is made
+of ordinary ops instead of a fused CPU kernel's backward.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+
+import torch
+from torch._decomp import core_aten_decompositions, get_decompositions
+
+aten = torch.ops.aten
+
+_FROM_TORCH = [
+    aten._native_batch_norm_legit_functional,
+    aten._native_batch_norm_legit_no_training,
+    aten._native_batch_norm_legit,
+    aten.native_batch_norm,
+    aten.native_group_norm,
+    aten.embedding,
+    aten.native_dropout,
+    aten.split_with_sizes,
+    aten.squeeze,
+    aten.var_mean,
+    aten.index_select,
+]
+
+# Lowered directly (one fused unit for XLA); the core table would otherwise break them up.
+_LOWERED_WHOLE = [
+    aten._softmax.default,
+    aten._log_softmax.default,
+    aten.native_layer_norm.default,
+    aten.gelu.default,
+]
+
+
+def scaled_dot_product_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """Attention as matmul → (mask) → softmax → (dropout) → matmul, which autograd differentiates."""
+    head_dim = query.shape[-1]
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    if enable_gqa and key.shape[-3] != query.shape[-3]:
+        repeat = query.shape[-3] // key.shape[-3]
+        key = key.repeat_interleave(repeat, dim=-3)
+        value = value.repeat_interleave(repeat, dim=-3)
+    scores = torch.matmul(query, key.transpose(-2, -1)) * scale
+    length_q, length_k = query.shape[-2], key.shape[-2]
+    if is_causal:
+        causal = torch.ones(length_q, length_k, dtype=torch.bool, device=query.device).tril()
+        scores = scores.masked_fill(~causal, float("-inf"))
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attn_mask, float("-inf"))
+        else:
+            scores = scores + attn_mask
+    weights = torch.softmax(scores, dim=-1)
+    if dropout_p > 0.0:
+        weights = torch.nn.functional.dropout(weights, p=dropout_p)
+    return torch.matmul(weights, value)
+
+
+def _own_decompositions() -> dict[torch._ops.OpOverload, Callable]:
+    return {aten.scaled_dot_product_attention.default: scaled_dot_product_attention}
+
+
+@functools.cache
+def decomposition_table() -> dict[torch._ops.OpOverload, Callable]:
+    """The table handed to AOTAutograd (built once; treat it as read-only)."""
+    table = dict(core_aten_decompositions())
+    table.update(get_decompositions(_FROM_TORCH))
+    for op in _LOWERED_WHOLE:
+        table.pop(op, None)
+    table.update(_own_decompositions())
+    return table

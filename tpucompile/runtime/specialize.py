@@ -1,0 +1,89 @@
+"""One executable per concrete shape for graphs with symbolic sizes.
+
+Dynamo marks sizes dynamic after it has seen two shapes; XLA compiles static shapes. The specializer keys
+each call on its argument sizes, builds an executable the first time a key is seen, and logs the reason for
+every recompile (which argument, which dimension, old and new size).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+log = logging.getLogger("tpucompile")
+
+Signature = tuple[Any, ...]
+
+
+def call_signature(args: Sequence[Any]) -> Signature:
+    """Sizes of tensor arguments and values of scalar arguments: what an executable is specialised on."""
+    return tuple(tuple(a.shape) if isinstance(a, torch.Tensor) else a for a in args)
+
+
+def recompile_reason(previous: Signature, current: Signature, names: Sequence[str]) -> str:
+    changes = []
+    for index, (old, new) in enumerate(zip(previous, current, strict=True)):
+        if old == new:
+            continue
+        name = names[index] if index < len(names) else f"arg{index}"
+        if isinstance(old, tuple) and isinstance(new, tuple) and len(old) == len(new):
+            for dim, (a, b) in enumerate(zip(old, new, strict=True)):
+                if a != b:
+                    changes.append(f"input {index} ({name}) dim {dim}: {a} -> {b}")
+        else:
+            changes.append(f"input {index} ({name}): {old} -> {new}")
+    return "; ".join(changes) or "no size changed"
+
+
+class ShapeSpecializer:
+    """A boxed callable that dispatches each call to the executable built for its sizes."""
+
+    def __init__(
+        self,
+        name: str,
+        build: Callable[[list[Any]], Callable[[list[Any]], Any]],
+        input_names: Sequence[str],
+        max_entries: int,
+    ) -> None:
+        self._boxed_call = True  # AOTAutograd passes the arguments as one list (an instance
+        # attribute, so that the wrappers Dynamo puts around a backward copy it with the __dict__)
+        self.name = name
+        self._build = build
+        self._input_names = list(input_names)
+        self._max_entries = max(1, max_entries)
+        self._entries: collections.OrderedDict[Signature, Callable] = collections.OrderedDict()
+        self._last: Signature | None = None
+        self.recompiles: list[str] = []
+        """The reason of every compile after the first, in order."""
+
+    def __call__(self, args: list[Any]) -> Any:
+        signature = call_signature(args)
+        runner = self._entries.get(signature)
+        if runner is None:
+            runner = self._specialize(signature, args)
+        elif self._last != signature:
+            self._entries.move_to_end(signature)
+        self._last = signature
+        return runner(args)
+
+    def _specialize(self, signature: Signature, args: list[Any]) -> Callable:
+        if self._last is not None:
+            reason = recompile_reason(self._last, signature, self._input_names)
+            self.recompiles.append(reason)
+            log.info("tpucompile: recompiling %s for new sizes: %s (%d shapes compiled)",
+                     self.name, reason, len(self._entries) + 1)
+        runner = self._build(args)
+        self._entries[signature] = runner
+        if len(self._entries) > self._max_entries:
+            dropped, _ = self._entries.popitem(last=False)
+            log.info("tpucompile: %s dropped the executable for sizes %s (max_shape_specializations=%d)",
+                     self.name, dropped, self._max_entries)
+        return runner
+
+    @property
+    def compiled_signatures(self) -> list[Signature]:
+        return list(self._entries)

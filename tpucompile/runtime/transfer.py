@@ -1,0 +1,41 @@
+"""Moving tensors between torch and PJRT buffers through DLPack, without copies where memory is shared.
+
+jaxlib's own DLPack entry points are used directly: they are several times cheaper per tensor than
+``jax.dlpack.from_dlpack``/``torch.from_dlpack``, which matters when a graph has dozens of inputs.
+Non-contiguous tensors are made contiguous first: a strided tensor would otherwise be imported with a
+layout that the executable ignores, silently giving wrong results.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.utils.dlpack
+from jaxlib import xla_client
+
+_import_dlpack = xla_client._xla.dlpack_managed_tensor_to_buffer
+_export_dlpack = xla_client._xla.buffer_to_dlpack_managed_tensor
+_capsule_to_tensor = torch.utils.dlpack.from_dlpack
+
+
+def to_buffer(tensor: torch.Tensor, device: object) -> object:
+    """A PJRT buffer holding ``tensor``'s values on ``device`` (zero-copy when the memory is shared)."""
+    if not tensor.is_contiguous():
+        tensor = tensor.contiguous()
+    if tensor.requires_grad:
+        tensor = tensor.detach()
+    if tensor.device.type == "cpu" and device.platform != "cpu":
+        return device.client.buffer_from_pyval(_as_numpy(tensor), device)
+    return _import_dlpack(tensor.__dlpack__(), device, None)
+
+
+def _as_numpy(tensor: torch.Tensor) -> object:
+    if tensor.dtype is torch.bfloat16:
+        import ml_dtypes
+
+        return tensor.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return tensor.numpy()
+
+
+def to_tensor(buffer: object) -> torch.Tensor:
+    """A torch tensor sharing ``buffer``'s memory (it keeps the buffer alive)."""
+    return _capsule_to_tensor(_export_dlpack(buffer))
