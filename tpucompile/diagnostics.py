@@ -62,6 +62,8 @@ def describe_node(node: torch.fx.Node) -> str:
     args = [describe_value(a) for a in node.args]
     args += [f"{k}={describe_value(v)}" for k, v in node.kwargs.items()]
     text = f"{op_name(node.target)}({', '.join(args)})"
+    if "val" in node.meta:
+        text += f" -> {describe_value(node.meta['val'])}"
     where = source_location(node)
     return f"{text} at {where}" if where else f"{text} (no source location recorded)"
 
@@ -69,5 +71,5 @@ def describe_node(node: torch.fx.Node) -> str:
 def op_name(target: object) -> str:
     """``aten.add.Tensor`` for OpOverloads, the qualified name for Python callables."""
     if isinstance(target, torch._ops.OpOverload):
-        return f"{target.namespace}.{target._schema.name.split('::')[-1]}.{target._overloadname}"
+        return str(target)
     return getattr(target, "__qualname__", None) or str(target)

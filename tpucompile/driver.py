@@ -6,8 +6,11 @@ lazily, once per concrete set of sizes seen at call time.
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import logging
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -34,8 +37,37 @@ from tpucompile.runtime import (
 
 log = logging.getLogger("tpucompile")
 
+
+@dataclasses.dataclass(frozen=True)
+class CompileEvent:
+    """What one compile of one graph specialisation produced; handed to every observer."""
+
+    name: str
+    graph: torch.fx.GraphModule
+    program: LoweredProgram
+    key: str
+    key_components: dict[str, Any]
+    cache_hit: bool
+    compile_seconds: float
+
+
+Observer = Callable[[CompileEvent], None]
+_observers: list[Observer] = []
+
+
+def add_observer(observer: Observer) -> Callable[[], None]:
+    """Call ``observer`` after every graph compile (dumps and tests use it); returns its remover."""
+    _observers.append(observer)
+    return lambda: _observers.remove(observer) if observer in _observers else None
+
 _executables: MemoryStore[Any] = MemoryStore(Options().executable_cache_size)
 _graphs_compiled = 0
+_recent: collections.deque[weakref.ref] = collections.deque(maxlen=64)
+
+
+def recent_executables() -> list[GraphExecutable]:
+    """The executables built most recently in this process, oldest first (for benchmarks and debugging)."""
+    return [e for e in (ref() for ref in _recent) if e is not None]
 
 
 def graphs_compiled() -> int:
@@ -63,14 +95,16 @@ def compile_graph(
 
     def build(bindings: ShapeBindings) -> GraphExecutable:
         program = lower_graph(gm, bindings, verify=options.verify)
-        loaded = load_executable(program, target, name)
-        return GraphExecutable(
+        loaded = load_executable(program, target, name, gm)
+        executable = GraphExecutable(
             loaded,
             target.device,
             program.input_positions,
             _output_plan(program),
             passes.lifted_constants,
         )
+        _recent.append(weakref.ref(executable))
+        return executable
 
     if not any(is_symbolic(m) for m in metas):
         return build(ShapeBindings())
@@ -85,23 +119,30 @@ def compile_graph(
     return ShapeSpecializer(name, build_for_call, names, options.max_shape_specializations)
 
 
-def load_executable(program: LoweredProgram, target: Target, name: str) -> Any:
+def load_executable(program: LoweredProgram, target: Target, name: str, gm: torch.fx.GraphModule) -> Any:
     """A loaded executable for ``program``: from the in-process cache, or compiled now."""
     components = executable_key_components(
         program.text(debug_info=False),
         target.describe(),
-        compile_options().SerializeAsString(),
+        compile_options(target).SerializeAsString(),
         __version__,
     )
     key = cache_key(components)
-    loaded = _executables.get(key)
-    if loaded is not None:
-        log.debug("tpucompile: %s executable cache hit %s", name, key[:12])
-        return loaded
     start = time.perf_counter()
-    loaded = compile_module(program.bytecode(), target)
-    log.debug("tpucompile: compiled %s in %.1f ms (key %s)", name, (time.perf_counter() - start) * 1e3, key[:12])
-    _executables.put(key, loaded)
+    loaded = _executables.get(key)
+    hit = loaded is not None
+    if hit:
+        log.debug("%s: executable cache hit %s", name, key[:12])
+    else:
+        loaded = compile_module(program.bytecode(), target)
+        _executables.put(key, loaded)
+    seconds = time.perf_counter() - start
+    if not hit:
+        log.debug("%s: compiled in %.1f ms (key %s)", name, seconds * 1e3, key[:12])
+    if _observers:
+        event = CompileEvent(name, gm, program, key, components, hit, seconds)
+        for observer in list(_observers):
+            observer(event)
     return loaded
 
 

@@ -161,10 +161,10 @@ class _GraphLowering:
             return self.env[node.args[0]][node.args[1]]
         if val is not None and not isinstance(val, (torch.Tensor, list, tuple)):
             return self.bindings.resolve(val)  # SymInt arithmetic: a constant of this specialisation
+        self._check_dtypes(node)
         rule = lookup_rule(node.target)
         if rule is None:
             raise UnsupportedOpError(f"no lowering for {diagnostics.describe_node(node)}")
-        self._check_dtypes(node)
         args = [self._materialize(a) for a in node.args]
         kwargs = {k: self._materialize(v) for k, v in node.kwargs.items()}
         ctx = LoweringContext(

@@ -30,7 +30,7 @@ class ShapeBindings:
     """A map from size symbols to the concrete values of one call."""
 
     def __init__(self, values: dict[sympy.Symbol, int] | None = None) -> None:
-        self.values: dict[sympy.Symbol, int] = dict(values or {})
+        self.values: dict[sympy.Symbol, sympy.Expr] = {k: sympy.sympify(v) for k, v in (values or {}).items()}
 
     @classmethod
     def from_inputs(cls, metas: Sequence[Any], actuals: Sequence[Any]) -> ShapeBindings:
@@ -49,13 +49,13 @@ class ShapeBindings:
             return
         expr = symbolic.node.expr
         if isinstance(expr, sympy.Symbol):
-            self.values.setdefault(expr, actual)
+            self.values.setdefault(expr, sympy.sympify(actual))
 
     def resolve(self, value: Any) -> Any:
         """A plain Python value for ``value`` (SymInt → int, …), lists and tuples element-wise."""
         if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
             expr = value.node.expr
-            concrete = sympy.sympify(expr).xreplace(self.values)
+            concrete = sympy.sympify(sympy.sympify(expr).xreplace(self.values))
             if concrete.free_symbols:
                 names = ", ".join(sorted(str(s) for s in concrete.free_symbols))
                 raise UnsupportedOpError(

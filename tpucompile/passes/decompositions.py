@@ -25,9 +25,7 @@ _FROM_TORCH = [
     aten.native_group_norm,
     aten.embedding,
     aten.native_dropout,
-    aten.split_with_sizes,
     aten.squeeze,
-    aten.var_mean,
     aten.index_select,
 ]
 
@@ -37,6 +35,7 @@ _LOWERED_WHOLE = [
     aten._log_softmax.default,
     aten.native_layer_norm.default,
     aten.gelu.default,
+    aten.roll.default,  # slices + concatenate; the core table's version is a gather
 ]
 
 

@@ -37,6 +37,7 @@ class GraphExecutable:
         self.output_plan = list(output_plan)
         self.constants = list(constants)
         self._buffer_cache: list[tuple | None] = [None] * len(self.input_positions)
+        self._results_in_order = self.output_plan == [(RESULT, i) for i in range(len(self.output_plan))]
 
     def buffers(self, args: Sequence[Any]) -> list[Any]:
         """Device buffers of the program's arguments, reusing those of unchanged tensors."""
@@ -63,6 +64,8 @@ class GraphExecutable:
 
     def __call__(self, args: list[Any]) -> list[Any]:
         results = self.loaded.execute(self.buffers(args))
+        if self._results_in_order:
+            return [to_tensor(result) for result in results]
         outputs = []
         for kind, value in self.output_plan:
             if kind == RESULT:

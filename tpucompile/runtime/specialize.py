@@ -74,13 +74,13 @@ class ShapeSpecializer:
         if self._last is not None:
             reason = recompile_reason(self._last, signature, self._input_names)
             self.recompiles.append(reason)
-            log.info("tpucompile: recompiling %s for new sizes: %s (%d shapes compiled)",
+            log.info("recompiling %s for new sizes: %s (%d shapes compiled)",
                      self.name, reason, len(self._entries) + 1)
         runner = self._build(args)
         self._entries[signature] = runner
         if len(self._entries) > self._max_entries:
             dropped, _ = self._entries.popitem(last=False)
-            log.info("tpucompile: %s dropped the executable for sizes %s (max_shape_specializations=%d)",
+            log.info("%s dropped the executable for sizes %s (max_shape_specializations=%d)",
                      self.name, dropped, self._max_entries)
         return runner
 

@@ -51,5 +51,16 @@ def get_target(platform: str | None = None) -> Target:
     return Target(client=client, devices=(client.local_devices()[0],))
 
 
-def compile_options(num_partitions: int = 1) -> object:
-    return jax_backend.get_compile_options(num_replicas=1, num_partitions=num_partitions)
+_compile_options: dict[tuple[int, int], object] = {}
+
+
+def compile_options(target: Target, num_partitions: int = 1) -> object:
+    """XLA compile options for ``target`` (built once per target and partition count)."""
+    key = (id(target.client), num_partitions)
+    options = _compile_options.get(key)
+    if options is None:
+        options = jax_backend.get_compile_options(
+            num_replicas=1, num_partitions=num_partitions, backend=target.client
+        )
+        _compile_options[key] = options
+    return options

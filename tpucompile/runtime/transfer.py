@@ -8,6 +8,7 @@ layout that the executable ignores, silently giving wrong results.
 
 from __future__ import annotations
 
+import jax
 import torch
 import torch.utils.dlpack
 from jaxlib import xla_client
@@ -15,6 +16,8 @@ from jaxlib import xla_client
 _import_dlpack = xla_client._xla.dlpack_managed_tensor_to_buffer
 _export_dlpack = xla_client._xla.buffer_to_dlpack_managed_tensor
 _capsule_to_tensor = torch.utils.dlpack.from_dlpack
+# The C entry point skips ``Tensor.__dlpack__``'s Python-level argument handling (about 2 us a tensor).
+_tensor_to_capsule = getattr(torch._C, "_to_dlpack", None) or (lambda tensor: tensor.__dlpack__())
 
 
 def to_buffer(tensor: torch.Tensor, device: object) -> object:
@@ -24,8 +27,8 @@ def to_buffer(tensor: torch.Tensor, device: object) -> object:
     if tensor.requires_grad:
         tensor = tensor.detach()
     if tensor.device.type == "cpu" and device.platform != "cpu":
-        return device.client.buffer_from_pyval(_as_numpy(tensor), device)
-    return _import_dlpack(tensor.__dlpack__(), device, None)
+        return jax.device_put(_as_numpy(tensor), device)
+    return _import_dlpack(_tensor_to_capsule(tensor), device, None)
 
 
 def _as_numpy(tensor: torch.Tensor) -> object:

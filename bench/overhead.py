@@ -1,0 +1,141 @@
+"""Per-call overhead of a compiled graph, measured in one run against eager, Inductor and a raw PJRT execute.
+
+    python bench/overhead.py [--repeat N]
+
+Two graphs: a tiny one (one input, one output) where the call overhead is everything, and the small GPT of
+``examples/mingpt.py`` with two blocks (27 parameter inputs). For tpucompile it reports three numbers:
+
+* ``torch.compile`` call — what a user's call costs: Dynamo's guards, AOTAutograd's wrapper, our callable;
+* callable — the time inside the callable tpucompile hands back (input exchange, execute, output exchange),
+  with the activation input a *different* tensor on every call and the parameters unchanged;
+* raw execute — ``LoadedExecutable.execute`` of the same executable on device buffers prepared beforehand.
+
+Target: callable <= 2 x raw execute + 2 us x (number of inputs and outputs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+
+from mingpt import GPT, GPTConfig  # noqa: E402
+
+from tpucompile import driver  # noqa: E402
+
+
+def _time_per_call(fn, repeat: int, rounds: int = 7) -> float:
+    """Median over ``rounds`` of the mean time of ``repeat`` calls, in microseconds."""
+    for _ in range(max(10, repeat // 10)):
+        fn()
+    samples = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(repeat):
+            fn()
+        samples.append((time.perf_counter() - start) / repeat * 1e6)
+    return statistics.median(samples)
+
+
+def _capture_call(model, inputs):
+    """Run the compiled model once and return (our executable, the argument list AOTAutograd passed it)."""
+    before = len(driver.recent_executables())
+    model(*inputs)
+    executable = driver.recent_executables()[-1]
+    assert len(driver.recent_executables()) > before or executable is not None
+    captured = []
+    original = executable.buffers
+
+    def spy(args):
+        captured.append(list(args))
+        return original(args)
+
+    executable.buffers = spy
+    try:
+        model(*inputs)
+    finally:
+        del executable.buffers
+    return executable, captured[-1]
+
+
+def measure(name, module, make_input, repeat):
+    module.eval()
+    pool = [make_input() for _ in range(16)]
+    rows = {}
+    with torch.no_grad():
+        torch._dynamo.reset()
+        inductor = torch.compile(module, backend="inductor")
+        inductor(pool[0])
+        ours = torch.compile(module, backend="tpucompile")
+        ours(pool[0])
+        executable, args = _capture_call(ours, [pool[0]])
+        activation_slots = [i for i, a in enumerate(args) if any(a is p for p in pool)]
+
+        counter = iter(range(10**12))
+
+        def fresh_args():
+            new = list(args)
+            x = pool[next(counter) % len(pool)]
+            for slot in activation_slots:
+                new[slot] = x
+            return new
+
+        arg_sets = [fresh_args() for _ in range(len(pool))]
+        cycle = iter(range(10**12))
+        buffers = executable.buffers(args)
+        loaded = executable.loaded
+        n_io = len(executable.input_positions) + len(executable.output_plan)
+
+        def call_in(fn):
+            def run():
+                fn(pool[next(cycle) % len(pool)])
+            return run
+
+        rows["eager"] = _time_per_call(call_in(module), repeat)
+        rows["inductor"] = _time_per_call(call_in(inductor), repeat)
+        rows["tpucompile (torch.compile call)"] = _time_per_call(call_in(ours), repeat)
+        rows["tpucompile callable"] = _time_per_call(lambda: executable(arg_sets[next(cycle) % len(arg_sets)]), repeat)
+        rows["raw PJRT execute"] = _time_per_call(lambda: loaded.execute(buffers), repeat)
+    budget = 2 * rows["raw PJRT execute"] + 2 * n_io
+    return rows, n_io, budget
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=2000)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+
+    class Tiny(torch.nn.Module):
+        def forward(self, x):
+            return x * 2 + 1
+
+    config = GPTConfig(n_layer=2, n_embd=64, n_head=4)
+    gpt = GPT(config)
+    parameters = sum(1 for _ in gpt.parameters())
+    cases = [
+        ("tiny graph (1 input)", Tiny(), lambda: torch.randn(16)),
+        (f"GPT, 2 blocks ({parameters} parameter inputs, 1x32 tokens)", gpt,
+         lambda: torch.randint(0, config.vocab_size, (1, 32))),
+    ]
+    print(f"torch {torch.__version__}, {os.cpu_count()} CPUs; microseconds per call (median of 7 rounds)\n")
+    print("| graph | eager | inductor | tpucompile call | tpucompile callable | raw execute | "
+          "inputs+outputs | budget (2x raw + 2us each) | within budget |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, module, make_input in cases:
+        repeat = args.repeat if "tiny" in name else max(100, args.repeat // 10)
+        rows, n_io, budget = measure(name, module, make_input, repeat)
+        ok = rows["tpucompile callable"] <= budget
+        print(f"| {name} | {rows['eager']:.1f} | {rows['inductor']:.1f} | "
+              f"{rows['tpucompile (torch.compile call)']:.1f} | {rows['tpucompile callable']:.1f} | "
+              f"{rows['raw PJRT execute']:.1f} | {n_io} | {budget:.1f} | {'yes' if ok else 'NO'} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,61 @@
+"""Every lowered op carries the user's file:line; keys ignore locations."""
+
+from __future__ import annotations
+
+import os
+import re
+
+import torch
+from support import compile_fn
+
+from tpucompile import driver
+
+
+def _capture(fn, *inputs):
+    events = []
+    remove = driver.add_observer(events.append)
+    try:
+        compile_fn(fn)(*inputs)
+    finally:
+        remove()
+    return events
+
+
+def model(x, w):
+    y = x @ w  # LINE-MATMUL
+    return torch.tanh(y) + 1  # LINE-TANH
+
+
+def _line_of(marker: str) -> int:
+    with open(__file__) as source:
+        for number, line in enumerate(source, 1):
+            if marker in line and "def _line_of" not in line and "_line_of(" not in line:
+                return number
+    raise AssertionError(marker)
+
+
+def test_ops_carry_user_source_locations():
+    (event,) = _capture(model, torch.randn(2, 3), torch.randn(3, 4))
+    text = event.program.text(debug_info=True)
+    name = os.path.basename(__file__)
+    locations = set(re.findall(r'loc\("([^"]+)":(\d+):\d+\)', text))
+    files = {os.path.basename(f) for f, _ in locations}
+    assert files == {name}, locations
+    lines = {int(line) for _, line in locations}
+    assert _line_of("LINE-MATMUL") in lines and _line_of("LINE-TANH") in lines
+    assert re.search(r'loc\("aten\.tanh\.default"', text), text
+
+
+def test_key_ignores_locations_and_program_verifies():
+    (first,) = _capture(model, torch.randn(2, 3), torch.randn(3, 4))
+
+    def same_model_other_lines(x, w):
+
+        y = x @ w
+        return torch.tanh(y) + 1
+
+    (second,) = _capture(same_model_other_lines, torch.randn(2, 3), torch.randn(3, 4))
+    assert first.program.text(debug_info=True) != second.program.text(debug_info=True)
+    assert first.key == second.key
+    assert second.cache_hit
+    assert first.program.module.operation.verify()

@@ -1,0 +1,102 @@
+"""Each graph pass on small hand-traced ATen graphs."""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from tpucompile.passes import eliminate_dead_code, lift_large_constants, remove_noop_views, run_passes
+
+aten = torch.ops.aten
+
+
+def _trace(fn, *inputs) -> torch.fx.GraphModule:
+    """An ATen graph with ``meta["val"]`` on every node, as AOTAutograd produces."""
+    return make_fx(fn, tracing_mode="fake")(*inputs)
+
+
+def _targets(gm: torch.fx.GraphModule) -> list:
+    return [n.target for n in gm.graph.nodes if n.op == "call_function"]
+
+
+def test_noop_views_are_removed_and_results_unchanged():
+    def f(x):
+        y = aten.view.default(x, [2, 3])  # same shape: a no-op
+        y = aten.permute.default(y, [0, 1])  # identity permutation
+        y = aten.expand.default(y, [2, 3])
+        y = aten.slice.Tensor(y, 1, 0, 9223372036854775807)
+        y = aten.mul.Tensor(y, 2)
+        return aten.clone.default(aten.view.default(y, [3, 2]))
+
+    x = torch.randn(2, 3)
+    gm = _trace(f, x)
+    expected = gm(x)
+    removed = remove_noop_views(gm)
+    assert removed == 5
+    assert _targets(gm) == [aten.mul.Tensor, aten.view.default]
+    torch.testing.assert_close(gm(x), expected)
+
+
+def test_noop_copy_of_an_input_returned_as_output_is_kept():
+    gm = _trace(lambda x: aten.clone.default(x), torch.randn(3))
+    assert remove_noop_views(gm) == 0
+    assert _targets(gm) == [aten.clone.default]
+
+
+def test_real_views_and_casts_stay():
+    def f(x):
+        return aten._to_copy.default(aten.permute.default(x, [1, 0]), dtype=torch.float64)
+
+    gm = _trace(f, torch.randn(2, 3))
+    assert remove_noop_views(gm) == 0
+
+
+def test_dead_code_is_eliminated():
+    def f(x):
+        aten.sin.default(x)  # unused
+        return aten.cos.default(x)
+
+    gm = _trace(f, torch.randn(3))
+    assert aten.sin.default in _targets(gm)
+    assert eliminate_dead_code(gm)
+    assert _targets(gm) == [aten.cos.default]
+
+
+def _graph_with_constant(values: torch.Tensor) -> torch.fx.GraphModule:
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    const = graph.get_attr("table")
+    graph.output(graph.call_function(aten.add.Tensor, (x, const)))
+    root = torch.nn.Module()
+    root.table = values
+    gm = torch.fx.GraphModule(root, graph)
+    with FakeTensorMode() as mode:
+        x.meta["val"] = mode.from_tensor(torch.empty(values.shape))
+    return gm
+
+
+def test_large_constants_become_trailing_arguments():
+    table = torch.arange(20.0).reshape(4, 5)
+    gm = _graph_with_constant(table)
+    lifted = lift_large_constants(gm, limit=10)
+    assert len(lifted) == 1 and lifted[0] is not None
+    torch.testing.assert_close(lifted[0], table)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    assert [n.name for n in placeholders] == ["x", "lifted_table"]
+    assert not any(n.op == "get_attr" for n in gm.graph.nodes)
+    x = torch.randn(4, 5)
+    torch.testing.assert_close(gm(x, *lifted), x + table)
+
+
+def test_small_constants_stay_embedded():
+    gm = _graph_with_constant(torch.arange(4.0))
+    assert lift_large_constants(gm, limit=10) == []
+    assert any(n.op == "get_attr" for n in gm.graph.nodes)
+
+
+def test_run_passes_reports_lifted_constants():
+    gm = _graph_with_constant(torch.arange(20.0))
+    result = run_passes(gm, embed_constant_limit=4)
+    assert len(result.lifted_constants) == 1
