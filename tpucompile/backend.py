@@ -18,7 +18,7 @@ from torch._dynamo.backends.common import aot_autograd
 
 from tpucompile.config import Options
 from tpucompile.driver import compile_graph
-from tpucompile.passes import decomposition_table
+from tpucompile.passes import decomposition_table, rewrite_attention
 
 _graph_counter = itertools.count()
 
@@ -32,6 +32,7 @@ def tpucompile_backend(
     """Entry point Dynamo calls for ``torch.compile(model, backend="tpucompile", options=...)``."""
     config = Options.from_sources(options)
     index = next(_graph_counter)
+    rewrite_attention(gm)
 
     def compiler(role: str) -> Callable[[torch.fx.GraphModule, list[Any]], Callable]:
         def compile_role(aten_gm: torch.fx.GraphModule, aten_inputs: list[Any]) -> Callable:

@@ -100,3 +100,35 @@ def test_run_passes_reports_lifted_constants():
     gm = _graph_with_constant(torch.arange(20.0))
     result = run_passes(gm, embed_constant_limit=4)
     assert len(result.lifted_constants) == 1
+
+
+def test_attention_is_rewritten_to_its_math_form():
+    import torch.nn.functional as F
+
+    from tpucompile.passes import rewrite_attention
+
+    def attend(q, k, v, additive_mask, keep_mask):
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        b = F.scaled_dot_product_attention(q, k, v, attn_mask=additive_mask, scale=0.3)
+        c = F.scaled_dot_product_attention(q, k, v, attn_mask=keep_mask)
+        return a, b, c
+
+    gm = torch.fx.symbolic_trace(attend)
+    q, k, v = torch.randn(2, 3, 5, 8), torch.randn(2, 3, 7, 8), torch.randn(2, 3, 7, 4)
+    mask = torch.randn(5, 7)
+    mask_bool = mask > 0
+    mask_bool[:, 0] = True  # no fully masked row
+    expected = attend(q, k, v, mask, mask_bool)
+    assert rewrite_attention(gm) == 3
+    torch.testing.assert_close(gm(q, k, v, mask, mask_bool), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_attention_with_grouped_query_heads():
+    import torch.nn.functional as F
+
+    from tpucompile.passes.decompositions import scaled_dot_product_attention
+
+    q, k, v = torch.randn(1, 4, 6, 8), torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8)
+    expected = F.scaled_dot_product_attention(q, k, v, enable_gqa=True, is_causal=True)
+    actual = scaled_dot_product_attention(q, k, v, enable_gqa=True, is_causal=True)
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)

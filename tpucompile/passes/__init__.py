@@ -10,6 +10,7 @@ import dataclasses
 import torch
 import torch.fx
 
+from tpucompile.passes.attention import rewrite_attention
 from tpucompile.passes.constants import lift_large_constants
 from tpucompile.passes.dead_code import eliminate_dead_code
 from tpucompile.passes.decompositions import decomposition_table
@@ -36,5 +37,6 @@ __all__ = [
     "eliminate_dead_code",
     "lift_large_constants",
     "remove_noop_views",
+    "rewrite_attention",
     "run_passes",
 ]

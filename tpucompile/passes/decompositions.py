@@ -2,8 +2,8 @@
 
 Ops we lower whole (softmax, layer norm, GELU) are kept out of the table so XLA sees them as one unit; ops
 whose PyTorch decomposition is what we would write by hand (batch norm, embedding, dropout) are taken from
-``torch._decomp``. Attention is decomposed to its math form *before* autograd, so that its backward is made
-of ordinary ops instead of a fused CPU kernel's backward.
+``torch._decomp``. ``scaled_dot_product_attention`` (below) is the math form that ``attention.rewrite_attention`` substitutes
+for the fused kernel before autograd runs.
 """
 
 from __future__ import annotations
@@ -72,10 +72,6 @@ def scaled_dot_product_attention(
     return torch.matmul(weights, value)
 
 
-def _own_decompositions() -> dict[torch._ops.OpOverload, Callable]:
-    return {aten.scaled_dot_product_attention.default: scaled_dot_product_attention}
-
-
 @functools.cache
 def decomposition_table() -> dict[torch._ops.OpOverload, Callable]:
     """The table handed to AOTAutograd (built once; treat it as read-only)."""
@@ -83,5 +79,4 @@ def decomposition_table() -> dict[torch._ops.OpOverload, Callable]:
     table.update(get_decompositions(_FROM_TORCH))
     for op in _LOWERED_WHOLE:
         table.pop(op, None)
-    table.update(_own_decompositions())
     return table
