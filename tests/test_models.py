@@ -20,10 +20,12 @@ from mingpt import GPT, GPTConfig  # noqa: E402
 from mlp import make_mlp  # noqa: E402
 
 
-def _train_side_by_side(eager: nn.Module, make_batch, steps: int = 3, tol: float = 1e-4, lr: float = 1e-2):
+def _train_side_by_side(eager: nn.Module, make_batch, steps: int = 3, tol: float = 1e-4, lr: float = 0.1):
     model = copy.deepcopy(eager)
     compiled = torch.compile(model, backend="tpucompile")
-    optimizers = [torch.optim.AdamW(m.parameters(), lr=lr) for m in (eager, model)]
+    # SGD, not Adam: Adam rescales a gradient that is zero up to rounding (e.g. a bias before BatchNorm) to a
+    # full step of either sign, which would compare rounding noise instead of the compiler.
+    optimizers = [torch.optim.SGD(m.parameters(), lr=lr, momentum=0.9) for m in (eager, model)]
     for _ in range(steps):
         inputs, loss_fn = make_batch()
         losses = []

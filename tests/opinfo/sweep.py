@@ -1,0 +1,309 @@
+"""Run PyTorch's OpInfo database through ``backend="tpucompile"`` and classify every sample.
+
+    python tests/opinfo/sweep.py --dtypes float32 bfloat16 int64 bool --markdown docs/coverage.md
+
+Each OpInfo sample is called eagerly and through ``torch.compile(..., backend="tpucompile", fullgraph=True)``
+and the results compared. Outcomes:
+
+* ``pass``        — results match (for bf16/f16: match eager, or the float32 reference, at bf16 tolerance);
+* ``mismatch``    — we compiled and ran it, and the numbers differ;
+* ``unsupported`` — we refused it with ``UnsupportedOpError`` (no lowering, or an unsupported dtype);
+* ``crash``       — any other error inside tpucompile, XLA or at run time;
+* ``dynamo``      — Dynamo could not capture the call (graph break or Dynamo error): not ours;
+* ``no-graph``    — Dynamo captured nothing for tpucompile to compile (e.g. the op is a no-op);
+* ``random``      — the op is random: eager itself differs between two seeds (tested statistically elsewhere).
+
+Samples on which eager PyTorch itself raises are skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import json
+import logging
+import os
+import sys
+import time
+import warnings
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from tpucompile import driver
+from tpucompile.errors import UnsupportedOpError
+
+OUTCOMES = ("pass", "mismatch", "unsupported", "crash", "dynamo", "no-graph", "random")
+COUNTED = ("pass", "mismatch", "unsupported", "crash")
+"""Outcomes of samples whose op Dynamo captured: the denominator of the pass rate."""
+
+DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "int64": torch.int64,
+    "bool": torch.bool,
+}
+
+_TOLERANCES = {
+    torch.float32: (1.3e-5, 1e-5),
+    torch.float64: (1e-7, 1e-7),
+    torch.bfloat16: (1.6e-2, 1e-2),
+    torch.float16: (1e-3, 1e-3),
+}
+
+
+@dataclasses.dataclass
+class SampleResult:
+    op: str
+    dtype: str
+    index: int
+    outcome: str
+    detail: str = ""
+
+
+def op_id(opinfo: Any) -> str:
+    return opinfo.name + (f".{opinfo.variant_test_name}" if opinfo.variant_test_name else "")
+
+
+def load_op_db() -> list[Any]:
+    from torch.testing._internal.common_methods_invocations import op_db
+
+    return list(op_db)
+
+
+def _tolerance(opinfo: Any, dtype: torch.dtype) -> tuple[float, float]:
+    """The OpInfo's own tolerance for compiled comparisons where it sets one, else ours for the dtype."""
+    rtol, atol = _TOLERANCES.get(dtype, (0.0, 0.0))
+    for decorate in getattr(opinfo, "decorators", ()):
+        if getattr(decorate, "cls_name", None) not in ("TestInductorOpInfo", "TestDecomp"):
+            continue
+        for decorator in getattr(decorate, "decorators", ()):
+            override = getattr(decorator, "d", None)
+            if isinstance(override, dict) and dtype in override:
+                tol = override[dtype]
+                rtol, atol = max(rtol, tol.rtol), max(atol, tol.atol)
+    return rtol, atol
+
+
+def _close(actual: Any, expected: Any, rtol: float, atol: float) -> str | None:
+    """None when equal within tolerance, else a short reason."""
+    flat_a, spec_a = pytree.tree_flatten(actual)
+    flat_e, spec_e = pytree.tree_flatten(expected)
+    if spec_a != spec_e:
+        return f"structure {spec_a} != {spec_e}"
+    for a, e in zip(flat_a, flat_e, strict=True):
+        if isinstance(e, torch.Tensor):
+            if not isinstance(a, torch.Tensor):
+                return f"expected a tensor, got {type(a).__name__}"
+            try:
+                torch.testing.assert_close(a, e, rtol=rtol, atol=atol, equal_nan=True, check_device=False,
+                                           check_stride=False)
+            except AssertionError as error:
+                return str(error).strip().splitlines()[0][:300] + " " + " ".join(str(error).split())[-200:]
+        elif a != e and not (isinstance(a, float) and isinstance(e, float) and a != a and e != e):
+            return f"{a!r} != {e!r}"
+    return None
+
+
+def _to_float32(value: Any) -> Any:
+    return pytree.tree_map(
+        lambda t: t.float() if isinstance(t, torch.Tensor) and t.dtype in (torch.bfloat16, torch.float16) else t,
+        value,
+    )
+
+
+def _call(opinfo: Any, sample: Any, fn: Any = None) -> Any:
+    fn = fn or opinfo.op
+    return fn(sample.input, *sample.args, **sample.kwargs)
+
+
+def _is_random(opinfo: Any, sample: Any) -> bool:
+    torch.manual_seed(1)
+    first = _call(opinfo, sample)
+    torch.manual_seed(2)
+    second = _call(opinfo, sample)
+    return _close(first, second, 0.0, 0.0) is not None
+
+
+def _classify_error(error: BaseException) -> tuple[str, str]:
+    chain = error
+    while chain is not None:
+        if isinstance(chain, UnsupportedOpError):
+            return "unsupported", str(chain).splitlines()[0][:300]
+        chain = chain.__cause__ or chain.__context__
+    name = type(error).__name__
+    text = " ".join(str(error).split())[:300]
+    if isinstance(error, torch._dynamo.exc.BackendCompilerFailed):
+        inner = error.inner_exception if hasattr(error, "inner_exception") else error
+        if isinstance(inner, UnsupportedOpError):
+            return "unsupported", str(inner).splitlines()[0][:300]
+        return "crash", f"{type(inner).__name__}: {' '.join(str(inner).split())[:300]}"
+    if isinstance(error, (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError,
+                          torch._dynamo.exc.TorchRuntimeError)):
+        return "dynamo", f"{name}: {text}"
+    return "crash", f"{name}: {text}"
+
+
+def run_sample(opinfo: Any, dtype: torch.dtype, sample: Any) -> tuple[str, str]:
+    """Classify one sample; see the module docstring for the outcomes."""
+    try:
+        torch.manual_seed(0)
+        expected = _call(opinfo, sample)
+    except Exception:
+        return "skip", "eager raised"
+    try:
+        if _is_random(opinfo, sample):
+            return "random", ""
+    except Exception:
+        return "skip", "eager raised"
+    torch._dynamo.reset()
+    compiled = torch.compile(opinfo.op, backend="tpucompile", fullgraph=True)
+    before = driver.graphs_compiled()
+    try:
+        torch.manual_seed(0)
+        actual = _call(opinfo, sample, compiled)
+    except Exception as error:  # classified, never re-raised: a sweep must survive every op
+        return _classify_error(error)
+    if driver.graphs_compiled() == before:
+        return "no-graph", ""
+    rtol, atol = _tolerance(opinfo, dtype)
+    reason = _close(actual, expected, rtol, atol)
+    if reason is not None and dtype in (torch.bfloat16, torch.float16):
+        try:
+            reference = _to_float32(_call(opinfo, _sample_in_float32(sample)))
+            if _close(_to_float32(actual), reference, rtol, atol) is None:
+                reason = None
+        except Exception:
+            pass
+    return ("pass", "") if reason is None else ("mismatch", reason)
+
+
+def _sample_in_float32(sample: Any) -> Any:
+    return sample.transform(
+        lambda t: t.float() if isinstance(t, torch.Tensor) and t.dtype in (torch.bfloat16, torch.float16) else t
+    )
+
+
+def iter_samples(opinfo: Any, dtype: torch.dtype, max_samples: int | None) -> Iterator[tuple[int, Any]]:
+    try:
+        samples = opinfo.sample_inputs("cpu", dtype, requires_grad=False)
+        for index, sample in enumerate(samples):
+            if max_samples is not None and index >= max_samples:
+                return
+            yield index, sample
+    except Exception:
+        return
+
+
+def sweep(
+    opinfos: Iterable[Any], dtypes: Iterable[torch.dtype], max_samples: int | None = None, progress: bool = False
+) -> list[SampleResult]:
+    results: list[SampleResult] = []
+    for opinfo in opinfos:
+        supported = opinfo.supported_dtypes("cpu")
+        for dtype in dtypes:
+            if dtype not in supported:
+                continue
+            start = time.perf_counter()
+            for index, sample in iter_samples(opinfo, dtype, max_samples):
+                outcome, detail = run_sample(opinfo, dtype, sample)
+                if outcome != "skip":
+                    results.append(SampleResult(op_id(opinfo), str(dtype).removeprefix("torch."), index, outcome,
+                                                detail))
+            if progress:
+                print(f"{op_id(opinfo):40s} {dtype}  {time.perf_counter() - start:.1f}s", file=sys.stderr)
+    return results
+
+
+def summarize(results: list[SampleResult]) -> dict[str, Any]:
+    """Totals per dtype and, per op and dtype, the outcome counts."""
+    totals: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    per_op: dict[str, dict[str, collections.Counter]] = collections.defaultdict(
+        lambda: collections.defaultdict(collections.Counter)
+    )
+    for r in results:
+        totals[r.dtype][r.outcome] += 1
+        per_op[r.op][r.dtype][r.outcome] += 1
+    return {"totals": totals, "per_op": per_op}
+
+
+def pass_rate(counter: collections.Counter) -> float:
+    counted = sum(counter[o] for o in COUNTED)
+    return counter["pass"] / counted if counted else 0.0
+
+
+def write_markdown(results: list[SampleResult], path: str, command: str) -> None:
+    summary = summarize(results)
+    dtypes = sorted(summary["totals"], key=lambda d: list(DTYPES).index(d) if d in DTYPES else 99)
+    lines = [
+        "# ATen coverage: PyTorch's OpInfo suite through tpucompile",
+        "",
+        f"Generated by `{command}` with torch {torch.__version__}.",
+        "Each OpInfo sample is compiled with `backend=\"tpucompile\", fullgraph=True` and compared with eager.",
+        "The pass rate counts samples whose op Dynamo captured (pass + mismatch + unsupported + crash).",
+        "",
+        "| dtype | " + " | ".join(OUTCOMES) + " | pass rate |",
+        "|---|" + "---|" * (len(OUTCOMES) + 1),
+    ]
+    for dtype in dtypes:
+        counter = summary["totals"][dtype]
+        lines.append(f"| {dtype} | " + " | ".join(str(counter[o]) for o in OUTCOMES)
+                     + f" | {100 * pass_rate(counter):.1f}% |")
+    lines += ["", "## Per op", "", "Cells: passed/counted samples, then the other outcomes.", "",
+              "| op | " + " | ".join(dtypes) + " |", "|---|" + "---|" * len(dtypes)]
+    for op in sorted(summary["per_op"]):
+        cells = []
+        for dtype in dtypes:
+            counter = summary["per_op"][op].get(dtype)
+            if not counter:
+                cells.append("")
+                continue
+            counted = sum(counter[o] for o in COUNTED)
+            extra = ", ".join(f"{o} {counter[o]}" for o in OUTCOMES[1:] if counter[o])
+            cells.append(f"{counter['pass']}/{counted}" + (f" ({extra})" if extra else ""))
+        lines.append(f"| {op} | " + " | ".join(cells) + " |")
+    failures = [r for r in results if r.outcome in ("mismatch", "unsupported", "crash")]
+    lines += ["", "## Failing samples", "", "| op | dtype | sample | outcome | detail |", "|---|---|---|---|---|"]
+    for r in failures:
+        detail = r.detail.replace("|", "\\|").replace("\n", " ")[:200]
+        lines.append(f"| {r.op} | {r.dtype} | {r.index} | {r.outcome} | {detail} |")
+    with open(path, "w") as out:
+        out.write("\n".join(lines) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="OpInfo sweep through backend='tpucompile'")
+    parser.add_argument("--dtypes", nargs="+", default=["float32"], choices=list(DTYPES))
+    parser.add_argument("--ops", nargs="*", help="OpInfo names (name or name.variant) to run; default all")
+    parser.add_argument("--max-samples", type=int, default=None, help="samples per op and dtype")
+    parser.add_argument("--json", help="write every sample's outcome here")
+    parser.add_argument("--markdown", help="write the coverage report here (docs/coverage.md)")
+    parser.add_argument("--progress", action="store_true")
+    args = parser.parse_args(argv)
+    warnings.filterwarnings("ignore")
+    logging.getLogger("torch").setLevel(logging.ERROR)
+    opinfos = load_op_db()
+    if args.ops:
+        wanted = set(args.ops)
+        opinfos = [o for o in opinfos if o.name in wanted or op_id(o) in wanted]
+    results = sweep(opinfos, [DTYPES[d] for d in args.dtypes], args.max_samples, args.progress)
+    summary = summarize(results)
+    for dtype, counter in summary["totals"].items():
+        print(f"{dtype}: " + ", ".join(f"{o} {counter[o]}" for o in OUTCOMES)
+              + f"; pass rate {100 * pass_rate(counter):.1f}%")
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump([dataclasses.asdict(r) for r in results], out, indent=0)
+    if args.markdown:
+        command = "python tests/opinfo/sweep.py " + " ".join(argv if argv is not None else sys.argv[1:])
+        write_markdown(results, args.markdown, command.strip())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    raise SystemExit(main())
