@@ -22,11 +22,13 @@ from tpucompile.cache import MemoryStore, executable_key_components
 from tpucompile.cache.keys import cache_key
 from tpucompile.config import Options
 from tpucompile.lowering import LoweredProgram, ShapeBindings, is_symbolic, lower_graph
+from tpucompile.lowering.graph import SEED_POSITION as LOWERED_SEED_POSITION
 from tpucompile.passes import run_passes
 from tpucompile.runtime import (
     CONSTANT,
     INPUT,
     RESULT,
+    SEED_POSITION,
     GraphExecutable,
     ShapeSpecializer,
     Target,
@@ -99,7 +101,7 @@ def compile_graph(
         executable = GraphExecutable(
             loaded,
             target.device,
-            program.input_positions,
+            [SEED_POSITION if p == LOWERED_SEED_POSITION else p for p in program.input_positions],
             _output_plan(program),
             passes.lifted_constants,
         )

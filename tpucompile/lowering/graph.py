@@ -17,14 +17,19 @@ import torch
 import torch.fx
 from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import func
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from tpucompile import diagnostics
 from tpucompile.errors import LoweringError, TpuCompileError, UnsupportedOpError
 from tpucompile.lowering import builder
 from tpucompile.lowering.context import mlir_context
-from tpucompile.lowering.registry import LoweringContext, lookup_rule
+from tpucompile.lowering.registry import LoweringContext, is_random, lookup_rule
+from tpucompile.lowering.rng import SEED_SHAPE, RandomStream
 from tpucompile.lowering.shapes import ShapeBindings
 from tpucompile.lowering.types import SUPPORTED_DTYPES, TensorSpec, spec_of, spec_type
+
+
+SEED_POSITION = -1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +49,8 @@ class LoweredProgram:
     input_specs: list[TensorSpec]
     """Specs of the module's arguments, in order."""
     input_positions: list[int]
-    """For each module argument, the index of the graph placeholder it comes from."""
+    """For each module argument, the index of the graph placeholder it comes from, or ``SEED_POSITION`` for
+    the seed of a program with random ops (the runtime draws a fresh one from torch on every call)."""
     result_specs: list[TensorSpec]
     output_plan: list[OutputSlot]
 
@@ -66,7 +72,9 @@ def lower_graph(
 ) -> LoweredProgram:
     """Lower ``gm`` (a functional ATen graph) to StableHLO for the sizes in ``bindings``."""
     bindings = bindings or ShapeBindings()
-    with mlir_context(), ir.Location.unknown():
+    # AOTAutograd calls the compiler with its FakeTensorMode active; constants that rules build from real
+    # tensors (``builder.dense_constant``) must not be turned into fake ones.
+    with unset_fake_temporarily(), mlir_context(), ir.Location.unknown():
         return _GraphLowering(gm, bindings).run(verify)
 
 
@@ -75,6 +83,7 @@ class _GraphLowering:
         self.gm = gm
         self.bindings = bindings
         self.env: dict[torch.fx.Node, Any] = {}
+        self.random: RandomStream | None = None
 
     def run(self, verify: bool) -> LoweredProgram:
         graph = self.gm.graph
@@ -83,6 +92,9 @@ class _GraphLowering:
             (i, n) for i, n in enumerate(placeholders) if isinstance(n.meta.get("val"), torch.Tensor)
         ]
         input_specs = [self._spec(n) for _, n in tensor_inputs]
+        needs_seed = any(n.op == "call_function" and is_random(n.target) for n in graph.nodes)
+        if needs_seed:
+            input_specs.append(TensorSpec(SEED_SHAPE, torch.int64))
         output_node = graph.output_node()
         outputs = output_node.args[0]
         outputs = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
@@ -97,8 +109,11 @@ class _GraphLowering:
             main = func.FuncOp("main", function_type)
             main.attributes["sym_visibility"] = ir.StringAttr.get("public")
             block = main.add_entry_block()
-        for (_, node), arg in zip(tensor_inputs, block.arguments, strict=True):
+        for (_, node), arg in zip(tensor_inputs, block.arguments, strict=False):
             self.env[node] = arg
+        if needs_seed:
+            with ir.InsertionPoint(block):
+                self.random = RandomStream(block.arguments[len(tensor_inputs)])
         for node in placeholders:
             if node not in self.env:
                 self.env[node] = self.bindings.resolve(node.meta.get("val"))
@@ -128,7 +143,7 @@ class _GraphLowering:
         return LoweredProgram(
             module=module,
             input_specs=input_specs,
-            input_positions=[i for i, _ in tensor_inputs],
+            input_positions=[i for i, _ in tensor_inputs] + ([SEED_POSITION] if needs_seed else []),
             result_specs=result_specs,
             output_plan=plan,
         )
@@ -171,6 +186,7 @@ class _GraphLowering:
             node=node,
             avals_out=self._output_specs(val),
             operand_metas=[_meta(a) for a in node.args],
+            random=self.random,
         )
         with _location(node):
             try:

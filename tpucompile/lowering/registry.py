@@ -35,6 +35,8 @@ class LoweringContext:
     """``node.meta["val"]`` (fake tensor, SymInt, or the Python value) of each positional argument."""
     compute_dtype: torch.dtype | None = None
     """With a promotion policy: the dtype the operands were converted to."""
+    random: Any = None
+    """For rules registered with ``random=True``: the program's ``rng.RandomStream``."""
 
     @property
     def aval_out(self) -> TensorSpec:
@@ -51,6 +53,7 @@ class LoweringRule:
     fn: Rule
     promote: PromotionKind | None
     operands: tuple[int, ...] | None
+    random: bool = False
 
     def __call__(self, ctx: LoweringContext, args: list[Any], kwargs: dict[str, Any]) -> Any:
         if self.promote is None:
@@ -94,15 +97,17 @@ def register_lowering(
     *ops: torch._ops.OpOverload | torch._ops.OpOverloadPacket,
     promote: PromotionKind | None = None,
     operands: Sequence[int] | None = None,
+    random: bool = False,
 ) -> Callable[[Rule], Rule]:
     """Register ``fn`` as the lowering of ``ops`` (an overload packet registers all its overloads).
 
     ``promote`` enables elementwise type promotion and broadcasting of the positional arguments listed in
-    ``operands`` (all tensor and scalar positional arguments when None).
+    ``operands`` (all tensor and scalar positional arguments when None). ``random`` marks ops that draw
+    random numbers: their program gets a seed argument and the rule gets ``ctx.random``.
     """
 
     def decorate(fn: Rule) -> Rule:
-        rule = LoweringRule(fn, promote, tuple(operands) if operands is not None else None)
+        rule = LoweringRule(fn, promote, tuple(operands) if operands is not None else None, random)
         for op in ops:
             overloads = (
                 [getattr(op, name) for name in op.overloads()]
@@ -120,6 +125,11 @@ def register_lowering(
 
 def lookup_rule(op: object) -> LoweringRule | None:
     return _RULES.get(op)  # type: ignore[arg-type]
+
+
+def is_random(op: object) -> bool:
+    rule = _RULES.get(op)  # type: ignore[arg-type]
+    return rule is not None and rule.random
 
 
 def has_lowering(op: object) -> bool:

@@ -16,6 +16,13 @@ import torch
 from tpucompile.runtime.transfer import to_buffer, to_tensor
 
 RESULT, INPUT, CONSTANT = 0, 1, 2
+SEED_POSITION = -1
+"""An input position that is not an argument: a fresh seed for the program's random ops."""
+
+
+def _draw_seed() -> torch.Tensor:
+    """Two 64-bit words from torch's default generator, so ``torch.manual_seed`` governs compiled RNG too."""
+    return torch.randint(-(2**63), 2**63 - 1, (2,), dtype=torch.int64)
 
 
 class GraphExecutable:
@@ -47,6 +54,9 @@ class GraphExecutable:
         cache = self._buffer_cache
         buffers = []
         for slot, position in enumerate(self.input_positions):
+            if position == SEED_POSITION:
+                buffers.append(to_buffer(_draw_seed(), device))
+                continue
             tensor = args[position]
             entry = cache[slot]
             if (
