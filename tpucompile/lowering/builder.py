@@ -65,8 +65,7 @@ def dense_constant(array: torch.Tensor) -> Value:
     if dtype is torch.bfloat16:
         data = tensor.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
     elif dtype is torch.bool:
-        data = np.packbits(tensor.numpy(), bitorder="little")
-        return hlo.constant(ir.DenseElementsAttr.get(data, type=ttype.element_type, shape=list(tensor.shape)))
+        data = tensor.numpy()  # the bindings pack a numpy bool array into i1 themselves
     else:
         data = tensor.numpy().astype(NUMPY_DTYPES[dtype], copy=False)
     return hlo.constant(ir.DenseElementsAttr.get(np.ascontiguousarray(data), type=ttype.element_type,
@@ -258,3 +257,27 @@ def max_value(dtype: torch.dtype) -> bool | int | float:
     if dtype is torch.bool:
         return True
     return torch.iinfo(dtype).max
+
+
+def scatter(
+    operand: Value,
+    indices: Value,
+    updates: Value,
+    dimension_numbers: ir.Attribute,
+    combiner: Callable[[Value, Value], Value],
+    unique_indices: bool = False,
+) -> Value:
+    """``stablehlo.scatter`` of one operand; ``combiner(current, update)`` builds the update region.
+
+    Written once here because the region is built by hand, as in ``reduce``; the result has the operand's
+    type.
+    """
+    dtype = dtype_of(operand)
+    op = hlo.ScatterOp(
+        [operand.type], [operand], indices, [updates], dimension_numbers, unique_indices=unique_indices
+    )
+    scalar = tensor_type((), dtype)
+    block = op.regions[0].blocks.append(scalar, scalar)
+    with ir.InsertionPoint(block):
+        hlo.return_([combiner(*block.arguments)])
+    return op.results[0]
