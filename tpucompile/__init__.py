@@ -13,6 +13,7 @@ from tpucompile.errors import (
     LoweringError,
     OptionsError,
     TpuCompileError,
+    TpuCompileWarning,
     UnsupportedOpError,
 )
 
@@ -22,6 +23,7 @@ __all__ = [
     "Options",
     "OptionsError",
     "TpuCompileError",
+    "TpuCompileWarning",
     "UnsupportedOpError",
     "__version__",
 ]

@@ -37,6 +37,10 @@ class Options:
     verify: bool = True
     """Run the MLIR verifier on every lowered module before compiling it."""
 
+    fallback: str = "eager"
+    """What to do with an op or dtype tpucompile cannot lower: "eager" runs it in PyTorch between compiled
+    regions (with one warning per op), "error" raises ``UnsupportedOpError``."""
+
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in dataclasses.fields(cls)]
@@ -52,7 +56,7 @@ class Options:
         fields = {f.name: f for f in dataclasses.fields(cls)}
         for name in valid:
             raw = environ.get(ENV_PREFIX + name.upper())
-            if raw is not None:
+            if raw:
                 values[name] = _parse_env(name, raw, fields[name].type)
         for name, value in (options or {}).items():
             if name not in fields:
@@ -63,7 +67,12 @@ class Options:
         return cls(**values)
 
 
+_CHOICES = {"fallback": ("eager", "error")}
+
+
 def _check_type(name: str, value: Any, annotation: str) -> Any:
+    if name in _CHOICES and value not in _CHOICES[name]:
+        raise OptionsError(f"tpucompile option {name!r} must be one of {', '.join(_CHOICES[name])}, got {value!r}")
     if annotation == "bool" and not isinstance(value, bool):
         raise OptionsError(f"tpucompile option {name!r} must be a bool, got {value!r}")
     if annotation == "int" and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
@@ -87,4 +96,4 @@ def _parse_env(name: str, raw: str, annotation: str) -> Any:
             return _check_type(name, int(raw), annotation)
         except ValueError:
             raise OptionsError(f"{var}={raw!r} is not an integer") from None
-    return raw or None
+    return _check_type(name, raw, annotation)

@@ -10,6 +10,7 @@ import collections
 import dataclasses
 import logging
 import time
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -17,13 +18,15 @@ from typing import Any
 import torch
 import torch.fx
 
-from tpucompile import __version__
+from tpucompile import __version__, diagnostics
 from tpucompile.cache import MemoryStore, executable_key_components
 from tpucompile.cache.keys import cache_key
 from tpucompile.config import Options
+from tpucompile.errors import TpuCompileWarning, UnsupportedOpError
 from tpucompile.lowering import LoweredProgram, ShapeBindings, is_symbolic, lower_graph
 from tpucompile.lowering.graph import SEED_POSITION as LOWERED_SEED_POSITION
-from tpucompile.passes import run_passes
+from tpucompile.lowering.graph import unsupported_reason
+from tpucompile.passes import partition_supported, run_passes
 from tpucompile.runtime import (
     CONSTANT,
     INPUT,
@@ -85,15 +88,83 @@ def executable_cache() -> MemoryStore[Any]:
 def compile_graph(
     gm: torch.fx.GraphModule, example_inputs: list[Any], options: Options, name: str
 ) -> Callable[[list[Any]], list[Any]]:
-    """The boxed callable that runs ``gm`` (a functional ATen graph from AOTAutograd) on XLA."""
+    """The boxed callable that runs ``gm`` (a functional ATen graph from AOTAutograd) on XLA.
+
+    Ops tpucompile cannot lower either fail the compile (``fallback="error"``) or run in eager PyTorch
+    between compiled regions (``fallback="eager"``, the default).
+    """
     global _graphs_compiled
     _graphs_compiled += 1
-    target = get_target(options.platform)
     _executables.resize(options.executable_cache_size)
     passes = run_passes(gm, options.embed_constant_limit)
+    unsupported = [n for n in gm.graph.nodes if unsupported_reason(n) is not None]
+    if not unsupported:
+        return _compile_region(gm, options, name, passes.lifted_constants)
+    if options.fallback == "error":
+        raise UnsupportedOpError(unsupported_reason(unsupported[0]) + _FALLBACK_HINT)
+    _warn_fallback(unsupported)
+    regions = partition_supported(gm, lambda node: unsupported_reason(node) is None)
+    for index, region in enumerate(regions):
+        submodule = getattr(gm, region)
+        compiled = _compile_region(submodule, options, f"{name} region {index}", [])
+        setattr(gm, region, _CompiledRegion(compiled, _returns_tuple(submodule)))
+    gm.recompile()
+    return _EagerGraph(gm, passes.lifted_constants)
+
+
+_FALLBACK_HINT = " (pass options={'fallback': 'eager'} to run it in eager PyTorch instead)"
+_warned_ops: set[str] = set()
+
+
+def _warn_fallback(nodes: list[torch.fx.Node]) -> None:
+    """One warning per op kind and process, naming the op and where the user's code calls it."""
+    for node in nodes:
+        op = diagnostics.op_name(node.target)
+        if op in _warned_ops:
+            continue
+        _warned_ops.add(op)
+        warnings.warn(
+            f"tpucompile runs {op} in eager PyTorch: {unsupported_reason(node)}", TpuCompileWarning, stacklevel=2
+        )
+
+
+class _CompiledRegion(torch.nn.Module):
+    """A compiled region standing in for a partition submodule inside an eagerly run graph."""
+
+    def __init__(self, run: Callable[[list[Any]], list[Any]], returns_tuple: bool) -> None:
+        super().__init__()
+        self.run = run
+        self.returns_tuple = returns_tuple
+
+    def forward(self, *args: Any) -> Any:
+        outputs = self.run(list(args))
+        return tuple(outputs) if self.returns_tuple else outputs[0]
+
+
+def _returns_tuple(gm: torch.fx.GraphModule) -> bool:
+    return isinstance(gm.graph.output_node().args[0], (tuple, list))
+
+
+class _EagerGraph:
+    """Runs a partitioned graph as Python: eager ATen ops between compiled regions."""
+
+    def __init__(self, gm: torch.fx.GraphModule, constants: list[torch.Tensor]) -> None:
+        self.gm = gm
+        self.constants = constants
+        self._boxed_call = True
+
+    def __call__(self, args: list[Any]) -> Any:
+        return self.gm(*args, *self.constants)
+
+
+def _compile_region(
+    gm: torch.fx.GraphModule, options: Options, name: str, lifted_constants: list[torch.Tensor]
+) -> Callable[[list[Any]], list[Any]]:
+    """Lower and compile a fully supported graph, now (static sizes) or per call shape (symbolic sizes)."""
+    target = get_target(options.platform)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     metas = [n.meta.get("val") for n in placeholders]
-    user_arg_count = len(placeholders) - len(passes.lifted_constants)
+    user_arg_count = len(placeholders) - len(lifted_constants)
 
     def build(bindings: ShapeBindings) -> GraphExecutable:
         program = lower_graph(gm, bindings, verify=options.verify)
@@ -103,7 +174,7 @@ def compile_graph(
             target.device,
             [SEED_POSITION if p == LOWERED_SEED_POSITION else p for p in program.input_positions],
             _output_plan(program),
-            passes.lifted_constants,
+            lifted_constants,
         )
         _recent.append(weakref.ref(executable))
         return executable
@@ -112,7 +183,7 @@ def compile_graph(
         return build(ShapeBindings())
 
     def build_for_call(args: list[Any]) -> GraphExecutable:
-        actual = [*args, *passes.lifted_constants]
+        actual = [*args, *lifted_constants]
         bindings = ShapeBindings.from_inputs(metas, actual)
         bindings.check(metas, actual)
         return build(bindings)

@@ -21,3 +21,7 @@ class LoweringError(TpuCompileError):
 
 class CompileError(TpuCompileError):
     """XLA refused a module that tpucompile built."""
+
+
+class TpuCompileWarning(UserWarning):
+    """Something was compiled differently than asked, e.g. an op ran in eager PyTorch."""

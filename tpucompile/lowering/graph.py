@@ -28,7 +28,6 @@ from tpucompile.lowering.rng import SEED_SHAPE, RandomStream
 from tpucompile.lowering.shapes import ShapeBindings
 from tpucompile.lowering.types import SUPPORTED_DTYPES, TensorSpec, spec_of, spec_type
 
-
 SEED_POSITION = -1
 
 
@@ -176,10 +175,10 @@ class _GraphLowering:
             return self.env[node.args[0]][node.args[1]]
         if val is not None and not isinstance(val, (torch.Tensor, list, tuple)):
             return self.bindings.resolve(val)  # SymInt arithmetic: a constant of this specialisation
-        self._check_dtypes(node)
+        reason = unsupported_reason(node)
+        if reason is not None:
+            raise UnsupportedOpError(reason)
         rule = lookup_rule(node.target)
-        if rule is None:
-            raise UnsupportedOpError(f"no lowering for {diagnostics.describe_node(node)}")
         args = [self._materialize(a) for a in node.args]
         kwargs = {k: self._materialize(v) for k, v in node.kwargs.items()}
         ctx = LoweringContext(
@@ -201,14 +200,6 @@ class _GraphLowering:
                 ) from error
         self._check_result(node, ctx, result)
         return result
-
-    def _check_dtypes(self, node: torch.fx.Node) -> None:
-        for value in [*node.args, *node.kwargs.values(), node]:
-            meta = _meta(value)
-            if isinstance(meta, torch.Tensor) and meta.dtype not in SUPPORTED_DTYPES:
-                raise UnsupportedOpError(
-                    f"dtype {meta.dtype} is not supported: {diagnostics.describe_node(node)}"
-                )
 
     def _output_specs(self, val: Any) -> list[TensorSpec | None]:
         if isinstance(val, (list, tuple)):
@@ -238,6 +229,27 @@ class _GraphLowering:
         if isinstance(arg, (list, tuple)):
             return type(arg)(self._materialize(a) for a in arg)
         return self.bindings.resolve(arg)
+
+
+def unsupported_reason(node: torch.fx.Node) -> str | None:
+    """Why ``node`` cannot be lowered (an unsupported dtype, or no rule for its op), or None if it can."""
+    if node.op != "call_function" or node.target is operator.getitem:
+        return None
+    val = node.meta.get("val")
+    if val is not None and not isinstance(val, (torch.Tensor, list, tuple)):
+        return None  # size arithmetic, evaluated while lowering
+    for value in [*node.args, *node.kwargs.values(), node]:
+        metas = _meta(value)
+        for meta in metas if isinstance(metas, list) else [metas]:
+            if isinstance(meta, torch.Tensor) and meta.dtype not in SUPPORTED_DTYPES:
+                return f"dtype {meta.dtype} is not supported: {diagnostics.describe_node(node)}"
+    if isinstance(val, (list, tuple)):
+        for item in val:
+            if isinstance(item, torch.Tensor) and item.dtype not in SUPPORTED_DTYPES:
+                return f"dtype {item.dtype} is not supported: {diagnostics.describe_node(node)}"
+    if lookup_rule(node.target) is None:
+        return f"no lowering for {diagnostics.describe_node(node)}"
+    return None
 
 
 def _meta(arg: Any) -> Any:

@@ -2,8 +2,8 @@
 
 Ops we lower whole (softmax, layer norm, GELU) are kept out of the table so XLA sees them as one unit; ops
 whose PyTorch decomposition is what we would write by hand (batch norm, embedding, dropout) are taken from
-``torch._decomp``. ``scaled_dot_product_attention`` (below) is the math form that ``attention.rewrite_attention`` substitutes
-for the fused kernel before autograd runs.
+``torch._decomp``. ``scaled_dot_product_attention`` (below) is the math form that
+``attention.rewrite_attention`` substitutes for the fused kernel before autograd runs.
 """
 
 from __future__ import annotations
