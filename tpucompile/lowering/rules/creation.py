@@ -28,8 +28,9 @@ def _scalar_tensor(ctx, value, **kwargs):
 
 
 @register_lowering(
-    aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.default,
-    aten.zeros.default, aten.zeros_like.default,
+    aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.default, aten.empty_permuted.default,
+    aten.new_empty.default, aten.new_empty_strided.default, aten.zeros.default, aten.zeros_like.default,
+    aten.new_zeros.default,
 )
 def _zeros(ctx, *args, **kwargs):
     """Uninitialised memory has no meaning in a value program: empty tensors are zeros."""

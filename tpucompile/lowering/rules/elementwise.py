@@ -104,7 +104,7 @@ def _floor_divide(ctx, a, b):
     return floor_divide(a, b)
 
 
-@register_lowering(aten.remainder.Tensor, aten.remainder.Scalar, promote=K.DEFAULT)
+@register_lowering(aten.remainder.Tensor, aten.remainder.Scalar, aten.remainder.Scalar_Tensor, promote=K.DEFAULT)
 def _remainder(ctx, a, b):
     """Python-style modulus: the result takes the sign of the divisor."""
     dtype, shape = builder.dtype_of(a), builder.shape_of(a)
@@ -120,8 +120,28 @@ def _fmod(ctx, a, b):
     return hlo.remainder(a, b)
 
 
+_POW_FAST_PATH_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
+
+
 @register_lowering(aten.pow.Tensor_Tensor, aten.pow.Tensor_Scalar, aten.pow.Scalar, promote=K.BOOL_TO_LONG)
 def _pow(ctx, a, b):
+    exponent = ctx.node.args[1] if ctx.node.target is aten.pow.Tensor_Scalar else None
+    if isinstance(exponent, (int, float)) and ctx.aval_out.dtype in _POW_FAST_PATH_DTYPES:
+        # PyTorch's CPU kernel computes these exponents with dedicated functions, not ``pow``; they differ
+        # from C ``pow`` on special values (``(-inf) ** 0.5`` is NaN, ``(-0.0) ** -0.5`` is -inf).
+        one = builder.constant(1, builder.dtype_of(a), builder.shape_of(a))
+        if exponent == 0.5:
+            return hlo.sqrt(a)
+        if exponent == -0.5:
+            return hlo.rsqrt(a)
+        if exponent == -1:
+            return hlo.divide(one, a)
+        if exponent == 2:
+            return hlo.multiply(a, a)
+        if exponent == 3:
+            return hlo.multiply(hlo.multiply(a, a), a)
+        if exponent == -2:
+            return hlo.divide(one, hlo.multiply(a, a))
     return hlo.power(a, b)
 
 
@@ -133,6 +153,23 @@ def _maximum(ctx, a, b):
 @register_lowering(aten.minimum.default, promote=K.DEFAULT)
 def _minimum(ctx, a, b):
     return hlo.minimum(a, b)
+
+
+@register_lowering(aten.fmax.default, promote=K.DEFAULT)
+def _fmax(ctx, a, b):
+    """``maximum`` that ignores a NaN operand (NaN only when both are NaN)."""
+    return _ignoring_nan(a, b, hlo.maximum(a, b))
+
+
+@register_lowering(aten.fmin.default, promote=K.DEFAULT)
+def _fmin(ctx, a, b):
+    return _ignoring_nan(a, b, hlo.minimum(a, b))
+
+
+def _ignoring_nan(a, b, result):
+    if not builder.dtype_of(a).is_floating_point:
+        return result
+    return builder.select(builder.is_nan(a), b, builder.select(builder.is_nan(b), a, result))
 
 
 @register_lowering(aten.atan2.default, promote=K.INT_TO_FLOAT)
@@ -207,17 +244,20 @@ def _logical_not(ctx, a):
     return hlo.not_(_as_bool(a))
 
 
-@register_lowering(aten.bitwise_and.Tensor, aten.bitwise_and.Scalar, promote=K.DEFAULT)
+@register_lowering(aten.bitwise_and.Tensor, aten.bitwise_and.Scalar, aten.bitwise_and.Scalar_Tensor,
+                   promote=K.DEFAULT)
 def _bitwise_and(ctx, a, b):
     return hlo.and_(a, b)
 
 
-@register_lowering(aten.bitwise_or.Tensor, aten.bitwise_or.Scalar, promote=K.DEFAULT)
+@register_lowering(aten.bitwise_or.Tensor, aten.bitwise_or.Scalar, aten.bitwise_or.Scalar_Tensor,
+                   promote=K.DEFAULT)
 def _bitwise_or(ctx, a, b):
     return hlo.or_(a, b)
 
 
-@register_lowering(aten.bitwise_xor.Tensor, aten.bitwise_xor.Scalar, promote=K.DEFAULT)
+@register_lowering(aten.bitwise_xor.Tensor, aten.bitwise_xor.Scalar, aten.bitwise_xor.Scalar_Tensor,
+                   promote=K.DEFAULT)
 def _bitwise_xor(ctx, a, b):
     return hlo.xor(a, b)
 

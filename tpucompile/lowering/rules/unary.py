@@ -29,7 +29,7 @@ def _unary(op, *overloads, promote=K.INT_TO_FLOAT):
 
 
 _unary(hlo.exponential, aten.exp.default)
-_unary(lambda x: hlo.exponential(hlo.multiply(x, _const_like(math.log(2.0), x))), aten.exp2.default)
+_unary(lambda x: hlo.power(_const_like(2, x), x), aten.exp2.default)  # exact for integer x; exp(x·ln2) is not
 _unary(hlo.exponential_minus_one, aten.expm1.default)
 _unary(hlo.log, aten.log.default)
 _unary(hlo.log_plus_one, aten.log1p.default)
@@ -73,7 +73,12 @@ _unary(lambda x: x, aten.positive.default, promote=K.DEFAULT)
 
 @register_lowering(aten.round.decimals, promote=K.DEFAULT)
 def _round_decimals(ctx, x, decimals=0):
-    scale = _const_like(10.0**decimals, x)
+    """As PyTorch: ``rint(x * 10^d) / 10^d``, or ``rint(x / 10^-d) * 10^-d`` for negative ``d``."""
+    if not builder.dtype_of(x).is_floating_point:
+        return x
+    scale = _const_like(10.0 ** abs(decimals), x)
+    if decimals < 0:
+        return hlo.multiply(hlo.round_nearest_even(hlo.divide(x, scale)), scale)
     return hlo.divide(hlo.round_nearest_even(hlo.multiply(x, scale)), scale)
 
 
@@ -82,7 +87,13 @@ def _sign(ctx, x):
     dtype = builder.dtype_of(x)
     if dtype is torch.bool:
         return x
-    return hlo.sign(x)  # NaN stays NaN, as in torch
+    if not dtype.is_floating_point:
+        return hlo.sign(x)
+    # PyTorch computes (0 < x) - (x < 0): NaN gives 0 (StableHLO's sign keeps NaN), -0.0 gives +0.0.
+    zero = _const_like(0, x)
+    positive = builder.convert(builder.compare(x, zero, "GT"), dtype)
+    negative = builder.convert(builder.compare(x, zero, "LT"), dtype)
+    return hlo.subtract(positive, negative)
 
 
 @register_lowering(aten.signbit.default, promote=K.ALWAYS_BOOL)
@@ -134,8 +145,9 @@ def _gelu(ctx, x, approximate="none"):
             hlo.add(x, hlo.multiply(_const_like(0.044715, x), hlo.multiply(x, hlo.multiply(x, x)))),
         )
         return hlo.multiply(hlo.multiply(half, x), hlo.add(one, hlo.tanh(inner)))
-    erf = chlo.erf(hlo.multiply(x, _const_like(1.0 / math.sqrt(2.0), x)))
-    return hlo.multiply(hlo.multiply(half, x), hlo.add(one, erf))
+    # x * Φ(x) with Φ(x) = erfc(-x / √2) / 2: no cancellation in 1 + erf(x / √2) for negative x.
+    cdf = hlo.multiply(half, chlo.erfc(hlo.multiply(x, _const_like(-1.0 / math.sqrt(2.0), x))))
+    return hlo.multiply(x, cdf)
 
 
 @register_lowering(aten.silu.default, promote=K.DEFAULT)
@@ -148,9 +160,30 @@ def _nan_to_num(ctx, x, nan=None, posinf=None, neginf=None):
     dtype = builder.dtype_of(x)
     if not dtype.is_floating_point:
         return x
-    info = torch.finfo(dtype)
+    info = torch.finfo(ctx.aval_out.dtype)  # the bounds of the result dtype, not of the (f32) compute dtype
     x = builder.select(builder.is_nan(x), _const_like(0.0 if nan is None else nan, x), x)
     x = builder.select(builder.compare(x, _const_like(float("inf"), x), "EQ"),
                        _const_like(info.max if posinf is None else posinf, x), x)
     return builder.select(builder.compare(x, _const_like(float("-inf"), x), "EQ"),
                           _const_like(info.min if neginf is None else neginf, x), x)
+
+
+@register_lowering(aten.leaky_relu.default, promote=K.DEFAULT, operands=(0,))
+def _leaky_relu(ctx, x, negative_slope=0.01):
+    positive = builder.compare(x, _const_like(0, x), "GT")
+    return builder.select(positive, x, hlo.multiply(x, _const_like(negative_slope, x)))
+
+
+@register_lowering(aten.hardtanh.default, promote=K.DEFAULT, operands=(0,))
+def _hardtanh(ctx, x, min_val=-1.0, max_val=1.0):
+    """A clamp: NaN stays NaN, and ``min_val > max_val`` gives ``max_val``, as in eager."""
+    return hlo.minimum(hlo.maximum(x, _const_like(min_val, x)), _const_like(max_val, x))
+
+
+@register_lowering(aten.elu.default, promote=K.DEFAULT, operands=(0,))
+def _elu(ctx, x, alpha=1.0, scale=1.0, input_scale=1.0):
+    """``scale * x`` for ``x > 0``, else ``alpha * scale * expm1(input_scale * x)`` (ELU, SELU, CELU)."""
+    coefficient = hlo.multiply(_const_like(alpha, x), _const_like(scale, x))  # rounded as eager rounds it
+    negative = hlo.multiply(hlo.exponential_minus_one(hlo.multiply(x, _const_like(input_scale, x))), coefficient)
+    positive = hlo.multiply(x, _const_like(scale, x))
+    return builder.select(builder.compare(x, _const_like(0, x), "LE"), negative, positive)

@@ -1,0 +1,58 @@
+"""The OpInfo floor: the float32 pass count may not drop, and no sample that passed may stop passing.
+
+CI runs the first samples of every OpInfo (``floor.json`` says how many); the full sweep over every sample
+and dtype is ``python tests/opinfo/sweep.py --dtypes float32 bfloat16 int64 bool --markdown docs/coverage.md``.
+Regenerate the floor after adding lowerings with ``python tests/opinfo/test_opinfo.py --write-floor``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import warnings
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import sweep  # noqa: E402
+
+FLOOR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "floor.json")
+
+
+def _run(max_samples: int) -> list[sweep.SampleResult]:
+    warnings.filterwarnings("ignore")
+    return sweep.sweep(sweep.load_op_db(), [torch.float32], max_samples)
+
+
+def _passing(results: list[sweep.SampleResult]) -> set[str]:
+    return {f"{r.op}|{r.dtype}|{r.index}" for r in results if r.outcome == "pass"}
+
+
+@pytest.mark.slow
+def test_opinfo_float32_floor():
+    with open(FLOOR) as source:
+        floor = json.load(source)
+    results = _run(floor["max_samples"])
+    passing = _passing(results)
+    regressed = sorted(set(floor["passing"]) - passing)
+    assert not regressed, f"{len(regressed)} samples stopped passing: {regressed[:30]}"
+    assert len(passing) >= floor["min_pass"], (len(passing), floor["min_pass"])
+
+
+def write_floor(max_samples: int = 2) -> None:
+    results = _run(max_samples)
+    passing = sorted(_passing(results))
+    counter = sweep.summarize(results)["totals"]["float32"]
+    with open(FLOOR, "w") as out:
+        json.dump({"max_samples": max_samples, "min_pass": len(passing),
+                   "pass_rate": round(sweep.pass_rate(counter), 4), "passing": passing}, out, indent=0)
+        out.write("\n")
+    print(f"floor: {len(passing)} passing float32 samples, pass rate {100 * sweep.pass_rate(counter):.1f}%")
+
+
+if __name__ == "__main__":
+    if "--write-floor" in sys.argv:
+        write_floor()
