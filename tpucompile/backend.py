@@ -40,9 +40,12 @@ def tpucompile_backend(
 
         return compile_role
 
-    return aot_autograd(
-        fw_compiler=compiler("forward"),
-        bw_compiler=compiler("backward"),
-        inference_compiler=compiler("inference"),
-        decompositions=decomposition_table(),
-    )(gm, example_inputs)
+    # Effect tokens (e.g. the error checks around linalg ops) stay inside the graphs instead of becoming
+    # runtime inputs that AOTAutograd passes as None.
+    with torch._functorch.config.patch(unlift_effect_tokens=True):
+        return aot_autograd(
+            fw_compiler=compiler("forward"),
+            bw_compiler=compiler("backward"),
+            inference_compiler=compiler("inference"),
+            decompositions=decomposition_table(),
+        )(gm, example_inputs)

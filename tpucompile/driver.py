@@ -23,7 +23,7 @@ from tpucompile.cache import MemoryStore, executable_key_components
 from tpucompile.cache.keys import cache_key
 from tpucompile.config import Options
 from tpucompile.errors import TpuCompileWarning, UnsupportedOpError
-from tpucompile.lowering import LoweredProgram, ShapeBindings, is_symbolic, lower_graph
+from tpucompile.lowering import LoweredProgram, ShapeBindings, is_symbolic, jax_bridge, lower_graph
 from tpucompile.lowering.graph import SEED_POSITION as LOWERED_SEED_POSITION
 from tpucompile.lowering.graph import unsupported_reason
 from tpucompile.passes import partition_supported, run_passes
@@ -167,7 +167,8 @@ def _compile_region(
     user_arg_count = len(placeholders) - len(lifted_constants)
 
     def build(bindings: ShapeBindings) -> GraphExecutable:
-        program = lower_graph(gm, bindings, verify=options.verify)
+        with jax_bridge.target_platform(target.platform):
+            program = lower_graph(gm, bindings, verify=options.verify)
         loaded = load_executable(program, target, name, gm)
         executable = GraphExecutable(
             loaded,

@@ -1,0 +1,235 @@
+"""Sorting and selection: ``sort``, ``topk``, ``kthvalue``, ``median``, ``nanmedian``, ``mode``.
+
+All but ``mode`` are one ``stablehlo.sort`` of (values, iota indices) along the dim with a stable comparator, which
+gives PyTorch's CPU results: NaN sorts as the largest value (last ascending, first descending), equal values
+keep their original order, indices are int64. ``topk`` is a full sort and a slice;
+its ties come out lowest index first, where PyTorch's CPU kernel picks an unspecified order among ties.
+``argsort`` never reaches a backend (it is CompositeImplicit: a ``sort`` whose values are dropped).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from jax.extend.mlir import ir
+from jax.extend.mlir.dialects import stablehlo as hlo
+
+from tpucompile.lowering import builder
+from tpucompile.lowering.registry import register_lowering
+from tpucompile.lowering.types import tensor_type
+
+aten = torch.ops.aten
+Value = ir.Value
+
+
+def _before(a: Value, b: Value, descending: bool) -> Value:
+    """Whether scalar ``a`` goes strictly before ``b``: a total order with NaN as the largest value."""
+    if descending:
+        a, b = b, a
+    less = builder.compare(a, b, "LT")
+    if builder.dtype_of(a).is_floating_point:
+        # a < b, or b is NaN and a is not (NaN is the largest value).
+        less = hlo.or_(less, hlo.and_(builder.is_nan(b), hlo.not_(builder.is_nan(a))))
+    return less
+
+
+def sort_along(operands: Sequence[Value], dim: int, descending: bool = False) -> list[Value]:
+    """Stable sort of ``operands`` (same shape) along ``dim``, keyed on the first one."""
+    op = hlo.SortOp([v.type for v in operands], list(operands), dimension=dim, is_stable=True)
+    scalars = [tensor_type((), builder.dtype_of(v)) for v in operands for _ in range(2)]
+    block = op.regions[0].blocks.append(*scalars)
+    with ir.InsertionPoint(block):
+        hlo.return_([_before(block.arguments[0], block.arguments[1], descending)])
+    return list(op.results)
+
+
+def sort_with_indices(x: Value, dim: int, descending: bool = False) -> tuple[Value, Value]:
+    """(sorted values, int64 original positions) along ``dim``."""
+    indices = builder.iota(builder.shape_of(x), torch.int64, dim)
+    values, positions = sort_along([x, indices], dim, descending)
+    return values, positions
+
+
+def _as_1d(x: Value) -> Value:
+    """0-d tensors sort, select and count as 1-element vectors; the rules reshape back to the traced shape."""
+    return builder.reshape(x, (1,)) if builder.rank_of(x) == 0 else x
+
+
+def _take(x: Value, dim: int, start: int, count: int) -> Value:
+    shape = builder.shape_of(x)
+    starts = [0] * len(shape)
+    limits = list(shape)
+    starts[dim], limits[dim] = start, start + count
+    return builder.slice_static(x, starts, limits, [1] * len(shape))
+
+
+def _gather_along(x: Value, dim: int, position: Value) -> Value:
+    """``x[..., position[...], ...]`` along ``dim`` for a data-dependent ``position`` (x's shape without ``dim``),
+    keeping ``dim`` with size 1. Built as a one-hot select and a sum, which needs no gather."""
+    shape = builder.shape_of(x)
+    dtype = builder.dtype_of(x)
+    kept = [1 if d == dim else s for d, s in enumerate(shape)]
+    wanted = builder.broadcast_to(builder.reshape(position, kept), shape)
+    hit = builder.compare(builder.iota(shape, builder.dtype_of(position), dim), wanted, "EQ")
+    if dtype is torch.bool:
+        picked = hlo.and_(hit, x)
+        init = builder.constant(False, torch.bool, ())
+        total = builder.reduce([picked], [init], [dim], lambda acc, el: [hlo.or_(acc[0], el[0])])[0]
+    else:
+        # select, not multiply, so that inf and NaN elsewhere in the row cannot leak into the result
+        zero = builder.constant(0, dtype, shape)
+        picked = builder.select(hit, x, zero)
+        init = builder.constant(0, dtype, ())
+        total = builder.reduce([picked], [init], [dim], lambda acc, el: [hlo.add(acc[0], el[0])])[0]
+    return builder.reshape(total, kept)
+
+
+@register_lowering(aten.sort.default)
+def _sort(ctx, x, dim=-1, descending=False):
+    return _sort_rule(ctx, x, dim, descending)
+
+
+@register_lowering(aten.sort.stable)
+def _sort_stable(ctx, x, *, stable=None, dim=-1, descending=False):
+    return _sort_rule(ctx, x, dim, descending)
+
+
+def _sort_rule(ctx, x, dim, descending):
+    x = _as_1d(x)
+    values, indices = sort_with_indices(x, dim % builder.rank_of(x), descending)
+    return builder.reshape(values, ctx.avals_out[0].shape), builder.reshape(indices, ctx.avals_out[1].shape)
+
+
+@register_lowering(aten.topk.default)
+def _topk(ctx, x, k, dim=-1, largest=True, sorted=True):
+    x = _as_1d(x)
+    dim %= builder.rank_of(x)
+    values, indices = sort_with_indices(x, dim, descending=largest)
+    values, indices = _take(values, dim, 0, k), _take(indices, dim, 0, k)
+    return builder.reshape(values, ctx.avals_out[0].shape), builder.reshape(indices, ctx.avals_out[1].shape)
+
+
+def _select_sorted(x, dim, position: int | Value, shapes: Sequence[Sequence[int]]) -> tuple[Value, Value]:
+    """Value and original index of the element at sorted ``position`` (static, or per-row data) along
+    ``dim``, reshaped to ``shapes``."""
+    x = _as_1d(x)
+    dim %= builder.rank_of(x)
+    values, indices = sort_with_indices(x, dim)
+    if isinstance(position, int):
+        value, index = _take(values, dim, position, 1), _take(indices, dim, position, 1)
+    else:
+        value, index = _gather_along(values, dim, position), _gather_along(indices, dim, position)
+    return builder.reshape(value, shapes[0]), builder.reshape(index, shapes[1])
+
+
+def _out_shapes(ctx) -> list[tuple[int, ...]]:
+    return [spec.shape for spec in ctx.avals_out]
+
+
+@register_lowering(aten.kthvalue.default)
+def _kthvalue(ctx, x, k, dim=-1, keepdim=False):
+    return _select_sorted(x, dim, k - 1, _out_shapes(ctx))
+
+
+def _nan_count(x: Value, dim: int) -> Value:
+    """int64 number of NaNs along ``dim`` (zeros for non-float dtypes), with ``dim`` removed."""
+    shape = builder.shape_of(x)
+    if not builder.dtype_of(x).is_floating_point:
+        return builder.constant(0, torch.int64, [s for d, s in enumerate(shape) if d != dim])
+    nans = builder.convert(builder.is_nan(x), torch.int64)
+    init = builder.constant(0, torch.int64, ())
+    return builder.reduce([nans], [init], [dim], lambda acc, el: [hlo.add(acc[0], el[0])])[0]
+
+
+def _median(x: Value, dim: int, shapes: Sequence[Sequence[int]]) -> tuple[Value, Value]:
+    """The lower median; any NaN in the row makes the result that NaN (the first one: sorting is stable)."""
+    x = _as_1d(x)
+    dim %= builder.rank_of(x)
+    size = builder.shape_of(x)[dim]
+    nans = _nan_count(x, dim)
+    shape = builder.shape_of(nans)
+    middle = builder.constant((size - 1) // 2, torch.int64, shape)
+    first_nan = hlo.subtract(builder.constant(size, torch.int64, shape), nans)
+    has_nan = builder.compare(nans, builder.constant(0, torch.int64, shape), "GT")
+    return _select_sorted(x, dim, builder.select(has_nan, first_nan, middle), shapes)
+
+
+def _nanmedian(x: Value, dim: int, shapes: Sequence[Sequence[int]]) -> tuple[Value, Value]:
+    """The lower median of the non-NaN values (NaN only for an all-NaN row): NaNs sort last, so it sits at
+    ``(count - 1) // 2`` of the sorted row."""
+    x = _as_1d(x)
+    dim %= builder.rank_of(x)
+    size = builder.shape_of(x)[dim]
+    nans = _nan_count(x, dim)
+    shape = builder.shape_of(nans)
+    count = hlo.subtract(builder.constant(size, torch.int64, shape), nans)
+    half = hlo.divide(
+        hlo.subtract(count, builder.constant(1, torch.int64, shape)), builder.constant(2, torch.int64, shape)
+    )
+    position = hlo.maximum(half, builder.constant(0, torch.int64, shape))
+    return _select_sorted(x, dim, position, shapes)
+
+
+def _flat(x: Value) -> Value:
+    return builder.reshape(x, (max(1, math.prod(builder.shape_of(x))),))
+
+
+@register_lowering(aten.median.dim)
+def _median_dim(ctx, x, dim, keepdim=False):
+    return _median(x, dim, _out_shapes(ctx))
+
+
+@register_lowering(aten.median.default)
+def _median_all(ctx, x):
+    return _median(_flat(x), 0, [(), ()])[0]
+
+
+@register_lowering(aten.nanmedian.dim)
+def _nanmedian_dim(ctx, x, dim, keepdim=False):
+    return _nanmedian(x, dim, _out_shapes(ctx))
+
+
+@register_lowering(aten.nanmedian.default)
+def _nanmedian_all(ctx, x):
+    return _nanmedian(_flat(x), 0, [(), ()])[0]
+
+
+@register_lowering(aten.mode.default)
+def _mode(ctx, x, dim=-1, keepdim=False):
+    """The most frequent value along ``dim`` (the smallest among equally frequent ones) and the last index
+    where it occurs, as PyTorch's CPU kernel gives. Counting is an n-by-n comparison per row, fine for the row
+    lengths ``mode`` is used with."""
+    x = _as_1d(x)
+    rank = builder.rank_of(x)
+    dim %= rank
+    x = builder.transpose(x, [d for d in range(rank) if d != dim] + [dim])  # the counted dim last
+    shape = builder.shape_of(x)
+    n = shape[-1]
+    pairs = (*shape, n)
+    mine = builder.broadcast_in_dims(x, pairs, list(range(rank)))
+    theirs = builder.broadcast_in_dims(x, pairs, [*range(rank - 1), rank])
+    equal = builder.convert(builder.compare(mine, theirs, "EQ"), torch.int64)  # NaN equals nothing
+    zero = builder.constant(0, torch.int64, ())
+    counts = builder.reduce([equal], [zero], [rank], lambda acc, el: [hlo.add(acc[0], el[0])])[0]
+    indices = builder.iota(shape, torch.int64, rank - 1)
+    dtype = builder.dtype_of(x)
+
+    def better(acc, el):
+        (ca, va, ia), (cb, vb, ib) = acc, el
+        more = builder.compare(ca, cb, "GT")
+        same_count = builder.compare(ca, cb, "EQ")
+        smaller = _before(va, vb, False)
+        same_value = hlo.not_(hlo.or_(_before(va, vb, False), _before(vb, va, False)))
+        later = builder.compare(ia, ib, "GT")
+        pick_a = hlo.or_(more, hlo.and_(same_count, hlo.or_(smaller, hlo.and_(same_value, later))))
+        return [builder.select(pick_a, a, b) for a, b in ((ca, cb), (va, vb), (ia, ib))]
+
+    inits = [
+        builder.constant(-1, torch.int64, ()),
+        builder.constant(builder.max_value(dtype), dtype, ()),
+        builder.constant(-1, torch.int64, ()),
+    ]
+    _, value, index = builder.reduce([counts, x, indices], inits, [rank - 1], better)
+    return builder.reshape(value, ctx.avals_out[0].shape), builder.reshape(index, ctx.avals_out[1].shape)
