@@ -25,9 +25,9 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 
-from mingpt import GPT, GPTConfig  # noqa: E402
+from mingpt import GPT, GPTConfig
 
-from tpucompile import driver  # noqa: E402
+from tpucompile import driver
 
 
 def _time_per_call(fn, repeat: int, rounds: int = 7) -> float:

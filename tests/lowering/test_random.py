@@ -84,5 +84,5 @@ def test_reproducible_under_manual_seed_and_fresh_on_each_call():
 
 def test_explicit_generator_is_refused_or_left_to_eager():
     generator = torch.Generator().manual_seed(0)
-    with pytest.raises(Exception, match="[Gg]enerator"):
+    with pytest.raises(Exception, match=r"[Gg]enerator"):
         compile_fn(lambda x: x + torch.rand(x.shape, generator=generator))(torch.zeros(3))

@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import sweep  # noqa: E402
+import sweep
 
 FLOOR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "floor.json")
 

@@ -33,6 +33,8 @@ _FROM_TORCH = [
 _LOWERED_WHOLE = [
     aten._softmax.default,
     aten._log_softmax.default,
+    aten._softmax_backward_data.default,  # computed in f32 for bf16/f16, as eager's kernels do
+    aten._log_softmax_backward_data.default,
     aten.native_layer_norm.default,
     aten.gelu.default,
     aten.roll.default,  # slices + concatenate; the core table's version is a gather
@@ -72,6 +74,42 @@ def scaled_dot_product_attention(
     return torch.matmul(weights, value)
 
 
+def batch_norm_functional(
+    input: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    running_mean: torch.Tensor,
+    running_var: torch.Tensor,
+    training: bool,
+    momentum: float,
+    eps: float,
+) -> tuple[torch.Tensor, ...]:
+    """``_native_batch_norm_legit_functional`` as torch decomposes it, except that with low-precision
+    activations and f32 parameters the saved mean and rstd stay f32, as eager's CPU kernel keeps them
+    (torch's decomposition rounds them to bf16 on CPU, and the backward then loses ~3 bits on weight.grad).
+    """
+    mixed = weight is not None and weight.dtype != input.dtype and input.dtype in (torch.bfloat16, torch.float16)
+    if not training or not mixed:
+        return _TORCH_BATCH_NORM(input, weight, bias, running_mean, running_var, training, momentum, eps)
+    dims = [0, *range(2, input.dim())]
+    var, mean = torch.var_mean(input.float(), dim=dims, correction=0, keepdim=True)
+    rstd = torch.rsqrt(var + eps)
+    params_shape = [1, -1] + [1] * (input.dim() - 2)
+    output = (input - mean) * rstd * weight.reshape(params_shape)
+    if bias is not None:
+        output = output + bias.reshape(params_shape)
+    save_mean, save_rstd = mean.squeeze(dims), rstd.squeeze(dims)
+    count = input.numel() / input.shape[1]
+    new_mean = momentum * save_mean + (1 - momentum) * running_mean
+    new_var = momentum * var.squeeze(dims) * (count / (count - 1)) + (1 - momentum) * running_var
+    return output.to(input.dtype), save_mean, save_rstd, new_mean, new_var
+
+
+_TORCH_BATCH_NORM = get_decompositions([aten._native_batch_norm_legit_functional])[
+    aten._native_batch_norm_legit_functional.default
+]
+
+
 @functools.cache
 def decomposition_table() -> dict[torch._ops.OpOverload, Callable]:
     """The table handed to AOTAutograd (built once; treat it as read-only)."""
@@ -79,4 +117,5 @@ def decomposition_table() -> dict[torch._ops.OpOverload, Callable]:
     table.update(get_decompositions(_FROM_TORCH))
     for op in _LOWERED_WHOLE:
         table.pop(op, None)
+    table[aten._native_batch_norm_legit_functional.default] = batch_norm_functional
     return table

@@ -1,6 +1,8 @@
-"""Softmax and layer norm, lowered whole so that XLA sees one max/sum reduction pair and one fusion.
+"""Softmax (and its backward) and layer norm, lowered whole so that XLA sees one max/sum reduction pair and
+one fusion.
 
-Low-precision inputs are normalised in f32, as PyTorch's CPU kernels do."""
+Low-precision inputs are normalised in f32 and rounded once. (Eager's CPU softmax also rounds exp() to
+bf16/f16 before normalising, so results may differ from it by an ulp, ours being the closer to exact.)"""
 
 from __future__ import annotations
 
@@ -28,33 +30,35 @@ def _reduce_keep(x, dim, combine, init):
     return builder.broadcast_to(builder.reshape(reduced, kept), shape)
 
 
-def _shifted(ctx, x, dim):
+def _over_dim(ctx, x, dim, body):
+    """Apply ``body(x, dim)`` in the compute dtype; a 0-d tensor is treated as a 1-element vector."""
     x = builder.convert(x, _compute_dtype(ctx.aval_out.dtype))
     if builder.rank_of(x) == 0:
-        return x, None
-    dim %= builder.rank_of(x)
-    peak = _reduce_keep(x, dim, hlo.maximum, float("-inf"))
-    # An all -inf row would give -inf - -inf = NaN; torch gives NaN too, so no special case is needed.
-    return hlo.subtract(x, peak), dim
+        return builder.convert(builder.reshape(body(builder.reshape(x, (1,)), 0), ()), ctx.aval_out.dtype)
+    return builder.convert(body(x, dim % builder.rank_of(x)), ctx.aval_out.dtype)
+
+
+def _shifted(x, dim):
+    # An all -inf row gives -inf - -inf = NaN; torch gives NaN too, so no special case is needed.
+    return hlo.subtract(x, _reduce_keep(x, dim, hlo.maximum, float("-inf")))
 
 
 @register_lowering(aten._softmax.default)
 def _softmax(ctx, x, dim, half_to_float=False):
-    shifted, dim = _shifted(ctx, x, dim)
-    if dim is None:
-        return builder.constant(1, ctx.aval_out.dtype, ())
-    exp = hlo.exponential(shifted)
-    total = _reduce_keep(exp, dim, hlo.add, 0)
-    return builder.convert(hlo.divide(exp, total), ctx.aval_out.dtype)
+    def body(x, dim):
+        exp = hlo.exponential(_shifted(x, dim))
+        return hlo.divide(exp, _reduce_keep(exp, dim, hlo.add, 0))
+
+    return _over_dim(ctx, x, dim, body)
 
 
 @register_lowering(aten._log_softmax.default)
 def _log_softmax(ctx, x, dim, half_to_float=False):
-    shifted, dim = _shifted(ctx, x, dim)
-    if dim is None:
-        return builder.constant(0, ctx.aval_out.dtype, ())
-    total = _reduce_keep(hlo.exponential(shifted), dim, hlo.add, 0)
-    return builder.convert(hlo.subtract(shifted, hlo.log(total)), ctx.aval_out.dtype)
+    def body(x, dim):
+        shifted = _shifted(x, dim)
+        return hlo.subtract(shifted, hlo.log(_reduce_keep(hlo.exponential(shifted), dim, hlo.add, 0)))
+
+    return _over_dim(ctx, x, dim, body)
 
 
 @register_lowering(aten.native_layer_norm.default)
@@ -89,3 +93,31 @@ def _native_layer_norm(ctx, x, normalized_shape, weight, bias, eps):
         builder.convert(mean, stats_dtype),
         builder.convert(rstd, stats_dtype),
     )
+
+
+@register_lowering(aten._softmax_backward_data.default)
+def _softmax_backward_data(ctx, grad, output, dim, input_dtype):
+    """``output * (grad - sum(grad * output))`` along ``dim``, in f32 for low-precision inputs."""
+    compute = _compute_dtype(ctx.aval_out.dtype)
+    output = builder.convert(output, compute)
+    if builder.rank_of(output) == 0:
+        output = builder.reshape(output, (1,))
+
+    def body(grad, dim):
+        return hlo.multiply(output, hlo.subtract(grad, _reduce_keep(hlo.multiply(grad, output), dim, hlo.add, 0)))
+
+    return _over_dim(ctx, grad, dim, body)
+
+
+@register_lowering(aten._log_softmax_backward_data.default)
+def _log_softmax_backward_data(ctx, grad, output, dim, input_dtype):
+    """``grad - exp(output) * sum(grad)`` along ``dim``, in f32 for low-precision inputs."""
+    compute = _compute_dtype(ctx.aval_out.dtype)
+    output = builder.convert(output, compute)
+    if builder.rank_of(output) == 0:
+        output = builder.reshape(output, (1,))
+
+    def body(grad, dim):
+        return hlo.subtract(grad, hlo.multiply(hlo.exponential(output), _reduce_keep(grad, dim, hlo.add, 0)))
+
+    return _over_dim(ctx, grad, dim, body)

@@ -1,6 +1,7 @@
 """Reductions with PyTorch's result dtypes: integer and bool sums give int64 (the traced graph says which),
 low-precision floats accumulate in f32, max/min propagate NaN, argmax/argmin return the first index of
-the extreme value and treat NaN as the extreme."""
+the extreme value and treat NaN as the extreme. Also the cumulative scans (cumsum, cumprod, logcumsumexp)
+and vector norms."""
 
 from __future__ import annotations
 
@@ -200,3 +201,76 @@ def _var_mean(ctx, x, dim=None, *, correction=None, keepdim=False):
     var, mean = _variance(x, _dims(x, dim), _correction(correction))
     shape = ctx.avals_out[0].shape
     return builder.reshape(builder.convert(var, out), shape), builder.reshape(builder.convert(mean, out), shape)
+
+
+def _scan(x, dim: int, combine, identity):
+    """Inclusive prefix scan along ``dim`` in log2(n) steps (Hillis-Steele): at step k every element
+    combines with the one 2**k before it, read from a copy shifted by a ``pad`` (negative high padding
+    drops the elements shifted out)."""
+    shape = builder.shape_of(x)
+    size = shape[dim]
+    fill = builder.constant(identity, builder.dtype_of(x), ())
+    zeros = [0] * len(shape)
+    shift = 1
+    while shift < size:
+        low, high = list(zeros), list(zeros)
+        low[dim], high[dim] = shift, -shift
+        x = combine(x, hlo.pad(x, fill, low, high, zeros))
+        shift *= 2
+    return x
+
+
+def _cumulative(ctx, x, dim, combine, identity):
+    out = ctx.aval_out.dtype
+    x = builder.convert(x, _accumulator(out))
+    if builder.rank_of(x) == 0:
+        return builder.convert(x, out)
+    return builder.convert(_scan(x, dim % builder.rank_of(x), combine, identity), out)
+
+
+@register_lowering(aten.cumsum.default)
+def _cumsum(ctx, x, dim, *, dtype=None):
+    return _cumulative(ctx, x, dim, hlo.add, 0)
+
+
+@register_lowering(aten.cumprod.default)
+def _cumprod(ctx, x, dim, *, dtype=None):
+    return _cumulative(ctx, x, dim, hlo.multiply, 1)
+
+
+@register_lowering(aten.logcumsumexp.default)
+def _logcumsumexp(ctx, x, dim):
+    def log_add_exp(a, b):
+        # log(exp(a) + exp(b)) = max + log1p(exp(min - max)). Equal operands skip the subtraction, so
+        # that two infinities of the same sign give that infinity, not inf - inf = NaN.
+        high, low = hlo.maximum(a, b), hlo.minimum(a, b)
+        zero = builder.constant(0, builder.dtype_of(a), builder.shape_of(a))
+        gap = builder.select(builder.compare(high, low, "EQ"), zero, hlo.subtract(low, high))
+        return hlo.add(high, hlo.log_plus_one(hlo.exponential(gap)))
+
+    return _cumulative(ctx, x, dim, log_add_exp, float("-inf"))
+
+
+@register_lowering(aten.linalg_vector_norm.default)
+def _vector_norm(ctx, x, ord=2, dim=None, keepdim=False, *, dtype=None):
+    out = ctx.aval_out.dtype
+    x = builder.convert(x, _accumulator(out))
+    dims = _dims(x, dim)
+    compute = builder.dtype_of(x)
+    magnitude = hlo.abs(x)
+    if ord == float("inf"):
+        result = _extreme(magnitude, dims, True)
+    elif ord == float("-inf"):
+        result = _extreme(magnitude, dims, False)
+    elif ord == 0:
+        nonzero = builder.compare(x, builder.constant(0, compute, builder.shape_of(x)), "NE")
+        result = reduce_sum(builder.convert(nonzero, compute), dims)
+    elif ord == 1:
+        result = reduce_sum(magnitude, dims)
+    elif ord == 2:
+        result = hlo.sqrt(reduce_sum(hlo.multiply(x, x), dims))
+    else:
+        power = builder.constant(ord, compute, builder.shape_of(x))
+        total = reduce_sum(hlo.power(magnitude, power), dims)
+        result = hlo.power(total, builder.constant(1.0 / ord, compute, builder.shape_of(total)))
+    return _keep(ctx, builder.convert(result, out))

@@ -3,11 +3,16 @@ shape the traced graph already knows (``ctx.aval_out``)."""
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import torch
 from jax.extend.mlir.dialects import stablehlo as hlo
 
+from tpucompile.errors import UnsupportedOpError
 from tpucompile.lowering import builder
 from tpucompile.lowering.registry import register_lowering
+from tpucompile.lowering.types import tensor_type
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -25,6 +30,7 @@ prims = torch.ops.prims
     aten.unflatten.int,
     aten.view_copy.default,
     prims.squeeze.default,
+    prims.view_of.default,
 )
 def _reshape(ctx, x, *args, **kwargs):
     return builder.reshape(x, ctx.aval_out.shape)
@@ -164,3 +170,294 @@ def _repeat(ctx, x, repeats):
     dims = [2 * i + 1 for i in range(len(shape))]
     tiled = builder.broadcast_in_dims(x, expanded_shape, dims)
     return builder.reshape(tiled, ctx.aval_out.shape)
+
+
+def _embed(src, shape, starts, steps):
+    """Place ``src`` at ``starts + i * steps`` of a zero tensor of ``shape``; also return where it went.
+
+    One ``pad`` with interior padding does it (the mask is the same pad applied to an all-true tensor), so
+    a scatter into a strided window never needs a real scatter.
+    """
+    src_shape = builder.shape_of(src)
+    low = list(starts)
+    interior = [step - 1 for step in steps]
+    high = [
+        size - (start + (n - 1) * step + 1)
+        for size, start, step, n in zip(shape, starts, steps, src_shape, strict=True)
+    ]
+    zero = builder.constant(0, builder.dtype_of(src), ())
+    placed = hlo.pad(src, zero, low, high, interior)
+    mask = hlo.pad(builder.constant(True, torch.bool, src_shape), builder.constant(False, torch.bool, ()),
+                   low, high, interior)
+    return placed, mask
+
+
+def _strided_scatter(base, src, starts, steps):
+    """``base`` with the strided window ``starts[k] + i * steps[k]`` replaced by ``src``."""
+    src = builder.convert(src, builder.dtype_of(base))
+    if math.prod(builder.shape_of(src)) == 0:
+        return base
+    if all(step == 1 for step in steps):
+        indices = [builder.constant(start, torch.int64, ()) for start in starts]
+        return hlo.dynamic_update_slice(base, src, indices)
+    placed, mask = _embed(src, builder.shape_of(base), starts, steps)
+    return builder.select(mask, placed, base)
+
+
+def _diagonal_layout(shape, offset, dim1, dim2):
+    """How a diagonal sits in ``x`` once ``dim1, dim2`` are moved last and merged into one dimension.
+
+    Returns (permutation, diagonal length, first flat index, flat step)."""
+    rank = len(shape)
+    dim1, dim2 = dim1 % rank, dim2 % rank
+    rows, cols = shape[dim1], shape[dim2]
+    if offset >= 0:
+        length = max(0, min(rows, cols - offset))
+        first = offset
+    else:
+        length = max(0, min(rows + offset, cols))
+        first = -offset * cols
+    perm = [d for d in range(rank) if d not in (dim1, dim2)] + [dim1, dim2]
+    return perm, length, first, cols + 1
+
+
+@register_lowering(aten.diagonal.default, aten.diagonal_copy.default)
+def _diagonal(ctx, x, offset=0, dim1=0, dim2=1):
+    shape = builder.shape_of(x)
+    perm, length, first, step = _diagonal_layout(shape, offset, dim1, dim2)
+    moved = builder.transpose(x, perm)
+    batch = builder.shape_of(moved)[:-2]
+    flat = builder.reshape(moved, (*batch, shape[perm[-2]] * shape[perm[-1]]))
+    if length == 0:
+        first, step = 0, 1
+    starts = [0] * len(batch) + [first]
+    limits = [*list(batch), first + (length - 1) * step + 1 if length else 0]
+    return builder.slice_static(flat, starts, limits, [1] * len(batch) + [step])
+
+
+@register_lowering(aten.diagonal_scatter.default)
+def _diagonal_scatter(ctx, x, src, offset=0, dim1=0, dim2=1):
+    shape = builder.shape_of(x)
+    perm, length, first, step = _diagonal_layout(shape, offset, dim1, dim2)
+    if length == 0:
+        return x
+    moved = builder.transpose(x, perm)
+    moved_shape = builder.shape_of(moved)
+    batch = moved_shape[:-2]
+    flat = builder.reshape(moved, (*batch, moved_shape[-2] * moved_shape[-1]))
+    updated = _strided_scatter(flat, src, [0] * len(batch) + [first], [1] * len(batch) + [step])
+    inverse = [perm.index(d) for d in range(len(shape))]
+    return builder.transpose(builder.reshape(updated, moved_shape), inverse)
+
+
+@register_lowering(aten.roll.default)
+def _roll(ctx, x, shifts, dims=()):
+    shifts, dims = list(shifts), list(dims)
+    if not dims:  # roll the flattened tensor, then restore the shape
+        flat = builder.reshape(x, (math.prod(builder.shape_of(x)),))
+        return builder.reshape(_roll_dims(flat, shifts, [0]), builder.shape_of(x))
+    return _roll_dims(x, shifts, dims)
+
+
+def _roll_dims(x, shifts, dims):
+    for shift, dim in zip(shifts, dims, strict=True):
+        shape = builder.shape_of(x)
+        dim %= len(shape)
+        size = shape[dim]
+        if size == 0 or shift % size == 0:
+            continue
+        cut = size - shift % size  # the last ``shift`` elements move to the front
+        starts, limits, strides = [0] * len(shape), list(shape), [1] * len(shape)
+        tail_starts, head_limits = list(starts), list(limits)
+        tail_starts[dim], head_limits[dim] = cut, cut
+        tail = builder.slice_static(x, tail_starts, limits, strides)
+        head = builder.slice_static(x, starts, head_limits, strides)
+        x = builder.concatenate([tail, head], dim)
+    return x
+
+
+@register_lowering(aten.unfold.default, aten.unfold_copy.default)
+def _unfold(ctx, x, dim, size, step):
+    """Windows of ``size`` every ``step`` along ``dim``, as a new last dimension: one strided slice per
+    position in the window, concatenated."""
+    shape = builder.shape_of(x)
+    out_shape = ctx.aval_out.shape
+    if not shape:
+        return builder.reshape(x, out_shape)
+    dim %= len(shape)
+    count = out_shape[dim]
+    if count == 0 or size == 0:
+        return builder.constant(0, builder.dtype_of(x), out_shape)
+    pieces = []
+    for offset in range(size):
+        starts, limits, strides = [0] * len(shape), list(shape), [1] * len(shape)
+        starts[dim], limits[dim], strides[dim] = offset, offset + (count - 1) * step + 1, step
+        piece = builder.slice_static(x, starts, limits, strides)
+        pieces.append(builder.reshape(piece, (*builder.shape_of(piece), 1)))
+    return builder.concatenate(pieces, len(shape))
+
+
+@register_lowering(aten.view.dtype)
+def _view_dtype(ctx, x, dtype):
+    """Reinterpret the bits; a size change splits or merges the last dimension, as torch does."""
+    source = builder.dtype_of(x)
+    target = ctx.aval_out.dtype
+    if source is torch.bool or target is torch.bool:
+        if source.itemsize != target.itemsize:
+            raise UnsupportedOpError(f"view of {source} as {target}")
+        return builder.convert(x, target)  # a bool byte holds 0 or 1
+    shape = builder.shape_of(x)
+    if source.itemsize == target.itemsize:
+        return hlo.bitcast_convert(tensor_type(shape, target), x)
+    if source.itemsize > target.itemsize:
+        ratio = source.itemsize // target.itemsize
+        split = hlo.bitcast_convert(tensor_type((*shape, ratio), target), x)
+        return builder.reshape(split, ctx.aval_out.shape)
+    ratio = target.itemsize // source.itemsize
+    grouped = builder.reshape(x, (*shape[:-1], shape[-1] // ratio, ratio))
+    return hlo.bitcast_convert(tensor_type(ctx.aval_out.shape, target), grouped)
+
+
+def _static_ints(values) -> list[int] | None:
+    if any(isinstance(v, torch.SymInt) for v in values):
+        return None
+    return [int(v) for v in values]
+
+
+def _strided_layout(meta, shape) -> tuple[list[int], int]:
+    """The strides and storage offset the eager tensor behind ``meta`` has (concrete ``shape``)."""
+    strides = _static_ints(meta.stride()) if isinstance(meta, torch.Tensor) else None
+    offset = _static_ints([meta.storage_offset()]) if isinstance(meta, torch.Tensor) else None
+    if strides is None:  # symbolic layout: the functional value is dense, so assume row-major
+        strides = [math.prod(shape[k + 1 :]) for k in range(len(shape))]
+    return strides, offset[0] if offset else 0
+
+
+def _positions(shape, strides, offset) -> np.ndarray:
+    """The storage position of every element of a strided tensor, as an array of ``shape``."""
+    pos = np.full(tuple(shape), offset, dtype=np.int64)
+    for k, (size, stride) in enumerate(zip(shape, strides, strict=True)):
+        index_shape = [1] * len(shape)
+        index_shape[k] = size
+        pos = pos + np.arange(size, dtype=np.int64).reshape(index_shape) * stride
+    return pos
+
+
+def _as_strided_indices(ctx, x, size, stride, storage_offset) -> np.ndarray:
+    """For each element of ``as_strided(x, size, stride, storage_offset)``, the flat (row-major) index of
+    the element of ``x`` that shares its storage position."""
+    shape = builder.shape_of(x)
+    in_strides, in_offset = _strided_layout(ctx.operand_metas[0], shape)
+    offset = in_offset if storage_offset is None else storage_offset
+    held = _positions(shape, in_strides, in_offset).reshape(-1)
+    wanted = _positions(size, stride, offset).reshape(-1)
+    order = np.argsort(held, kind="stable")
+    ordered = held[order]
+    found = np.searchsorted(ordered, wanted)
+    inside = found < len(ordered)
+    if not (inside.all() and (ordered[np.minimum(found, len(ordered) - 1)] == wanted).all()):
+        raise UnsupportedOpError(
+            "as_strided reads storage outside its input tensor; tpucompile lowers views of values, not memory"
+        )
+    return order[found].reshape(tuple(size))
+
+
+def _as_slice(indices: np.ndarray, shape) -> tuple[list[int], list[int]] | None:
+    """(starts, steps) when ``indices`` (flat indices into ``shape``) select a strided window of it."""
+    if indices.ndim != len(shape) or indices.size == 0:
+        return None
+    origin = np.unravel_index(int(indices.flat[0]), shape)
+    starts = [int(c) for c in origin]
+    steps = []
+    for k in range(indices.ndim):
+        if indices.shape[k] == 1:
+            steps.append(1)
+            continue
+        neighbour = [0] * indices.ndim
+        neighbour[k] = 1
+        coords = np.unravel_index(int(indices[tuple(neighbour)]), shape)
+        delta = [int(c) - s for c, s in zip(coords, starts, strict=True)]
+        if delta[k] <= 0 or any(d for j, d in enumerate(delta) if j != k):
+            return None
+        steps.append(delta[k])
+    grids = np.meshgrid(*[s + np.arange(n) * t for s, n, t in zip(starts, indices.shape, steps, strict=True)],
+                        indexing="ij")
+    if any(int(g.max(initial=0)) >= size for g, size in zip(grids, shape, strict=True)):
+        return None
+    if not np.array_equal(np.ravel_multi_index(grids, shape), indices):
+        return None
+    return starts, steps
+
+
+def _as_flat_range(indices: np.ndarray) -> tuple[int, int] | None:
+    """(start, step) when the row-major flattening of ``indices`` is an arithmetic sequence."""
+    flat = indices.reshape(-1)
+    if flat.size == 0:
+        return None
+    step = int(flat[1] - flat[0]) if flat.size > 1 else 1
+    if step <= 0 or not np.array_equal(flat, flat[0] + step * np.arange(flat.size)):
+        return None
+    return int(flat[0]), step
+
+
+def gather_flat(x, indices: np.ndarray):
+    """``x.reshape(-1)[indices]`` for a constant index array (any shape)."""
+    flat = builder.reshape(x, (math.prod(builder.shape_of(x)),))
+    out_shape = tuple(indices.shape)
+    start_indices = builder.dense_constant(torch.from_numpy(np.ascontiguousarray(indices, dtype=np.int64)))
+    start_indices = builder.reshape(start_indices, (*out_shape, 1))
+    numbers = hlo.GatherDimensionNumbers.get(
+        offset_dims=[],
+        collapsed_slice_dims=[0],
+        operand_batching_dims=[],
+        start_indices_batching_dims=[],
+        start_index_map=[0],
+        index_vector_dim=len(out_shape),
+    )
+    return hlo.gather(flat, start_indices, numbers, [1], indices_are_sorted=False,
+                      results=[tensor_type(out_shape, builder.dtype_of(x))])
+
+
+@register_lowering(aten.as_strided.default, aten.as_strided_copy.default)
+def _as_strided(ctx, x, size, stride, storage_offset=None):
+    """``as_strided`` over the eager layout of ``x`` (from its traced strides). The element map is
+    computed at compile time; it lowers to a reshape or a strided slice when it is one, else to a gather."""
+    size, stride = list(size), list(stride)
+    out_shape = tuple(size)
+    if math.prod(out_shape) == 0:
+        return builder.constant(0, builder.dtype_of(x), out_shape)
+    indices = _as_strided_indices(ctx, x, size, stride, storage_offset)
+    shape = builder.shape_of(x)
+    window = _as_slice(indices, shape)
+    if window is not None:
+        starts, steps = window
+        limits = [s + (n - 1) * t + 1 for s, n, t in zip(starts, out_shape, steps, strict=True)]
+        return builder.slice_static(x, starts, limits, steps)
+    flat_range = _as_flat_range(indices)
+    if flat_range is not None:
+        start, step = flat_range
+        flat = builder.reshape(x, (math.prod(shape),))
+        count = indices.size
+        picked = builder.slice_static(flat, [start], [start + (count - 1) * step + 1], [step])
+        return builder.reshape(picked, out_shape)
+    return gather_flat(x, indices)
+
+
+@register_lowering(aten.as_strided_scatter.default)
+def _as_strided_scatter(ctx, x, src, size, stride, storage_offset=None):
+    """``x`` with the elements that ``as_strided(x, size, stride, storage_offset)`` would view replaced by
+    ``src``: each element of ``x`` gathers the (last) element of ``src`` written to it, if any."""
+    size = list(size)
+    if math.prod(size) == 0:
+        return x
+    indices = _as_strided_indices(ctx, x, size, list(stride), storage_offset)
+    shape = builder.shape_of(x)
+    src = builder.convert(src, builder.dtype_of(x))
+    window = _as_slice(indices, shape)
+    if window is not None:
+        return _strided_scatter(x, src, *window)
+    source = np.full(math.prod(shape), -1, dtype=np.int64)
+    source[indices.reshape(-1)] = np.arange(indices.size, dtype=np.int64)
+    picked = gather_flat(src, np.maximum(source, 0).reshape(shape))
+    written = builder.dense_constant(torch.from_numpy(source.reshape(shape) >= 0))
+    return builder.select(written, picked, x)
