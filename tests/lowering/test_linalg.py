@@ -216,3 +216,14 @@ def test_bridge_lowers_for_the_target_platform():
         cpu = lower_graph(gm).text(debug_info=False)
     assert "LuDecomposition" in tpu and "lapack" not in tpu
     assert "lapack_sgetrf" in cpu and tpu != cpu
+
+
+def test_empty_matrices():
+    from support import assert_compiles_like_eager
+
+    def f(x):
+        sign, logabsdet = torch.linalg.slogdet(x)
+        return torch.linalg.det(x), sign, logabsdet, torch.linalg.inv(x), torch.linalg.inv_ex(x).info
+
+    assert_compiles_like_eager(f, torch.zeros(0, 0))
+    assert_compiles_like_eager(f, torch.zeros(3, 0, 0))

@@ -250,3 +250,8 @@ def test_bfloat16_reductions():
         )
 
     assert_compiles_like_eager(fn, (torch.rand(8, 64) + 0.5).to(torch.bfloat16), grad=True)
+
+
+def test_arg_extremes_of_a_zero_dim_tensor():
+    x = torch.tensor(2.5)
+    assert_compiles_like_eager(lambda x: (x.argmax(0, True), x.argmin(0), x.argmax(), x.argmin(-1)), x)

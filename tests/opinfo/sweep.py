@@ -161,7 +161,7 @@ def run_sample(opinfo: Any, dtype: torch.dtype, sample: Any) -> tuple[str, str]:
     except Exception:
         return "skip", "eager raised"
     torch._dynamo.reset()
-    compiled = torch.compile(opinfo.op, backend="tpucompile", fullgraph=True)
+    compiled = torch.compile(opinfo.op, backend="tpucompile", fullgraph=True, options={"fallback": "error"})
     before = driver.graphs_compiled()
     try:
         torch.manual_seed(0)

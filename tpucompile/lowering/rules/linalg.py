@@ -188,9 +188,17 @@ def _jax_inv(a):
     return _jax_lu_solve(lu, permutation, eye, adjoint=False), info
 
 
+def _empty_matrix_results(ctx, a, fills: tuple[float, ...]):
+    """Results for 0x0 matrices, which LAPACK-style factorisations refuse: empty tensors stay empty, the
+    scalar results take ``fills`` (det 1, sign 1, log|det| 0, info 0)."""
+    if builder.shape_of(a)[-1] != 0:
+        return None
+    return [builder.constant(fill, spec.dtype, spec.shape) for spec, fill in zip(ctx.avals_out, fills, strict=True)]
+
+
 @register_lowering(aten.linalg_inv_ex.default)
 def _linalg_inv_ex(ctx, a, *, check_errors=False):
-    return jax_bridge.call("linalg_inv_ex", _jax_inv, [a], _specs(ctx))
+    return _empty_matrix_results(ctx, a, (0, 0)) or jax_bridge.call("linalg_inv_ex", _jax_inv, [a], _specs(ctx))
 
 
 def _jax_lu_factor(a):
@@ -333,14 +341,14 @@ def _factors_transpose(ctx) -> bool:
 def _linalg_det(ctx, a):
     transposed = _factors_transpose(ctx)
     fn = functools.partial(_jax_det, transposed=transposed)
-    return jax_bridge.call("linalg_det", fn, [a], _specs(ctx), params=(transposed,))
+    return _empty_matrix_results(ctx, a, (1, 0, 0)) or jax_bridge.call("linalg_det", fn, [a], _specs(ctx), params=(transposed,))
 
 
 @register_lowering(aten._linalg_slogdet.default)
 def _linalg_slogdet(ctx, a):
     transposed = _factors_transpose(ctx)
     fn = functools.partial(_jax_slogdet, transposed=transposed)
-    return jax_bridge.call("linalg_slogdet", fn, [a], _specs(ctx), params=(transposed,))
+    return _empty_matrix_results(ctx, a, (1, 0, 0, 0)) or jax_bridge.call("linalg_slogdet", fn, [a], _specs(ctx), params=(transposed,))
 
 
 # --- the error-check effect ---------------------------------------------------------------------------------

@@ -130,14 +130,14 @@ def arg_extreme(x, dim: int, is_max: bool):
 
 @register_lowering(aten.argmax.default)
 def _argmax(ctx, x, dim=None, keepdim=False):
-    if dim is None:
+    if dim is None or builder.rank_of(x) == 0:  # over all elements (a 0-d tensor is one element)
         x, dim = builder.reshape(x, (math.prod(builder.shape_of(x)),)), 0
     return _keep(ctx, arg_extreme(x, dim % max(builder.rank_of(x), 1), True)[1])
 
 
 @register_lowering(aten.argmin.default)
 def _argmin(ctx, x, dim=None, keepdim=False):
-    if dim is None:
+    if dim is None or builder.rank_of(x) == 0:  # over all elements (a 0-d tensor is one element)
         x, dim = builder.reshape(x, (math.prod(builder.shape_of(x)),)), 0
     return _keep(ctx, arg_extreme(x, dim % max(builder.rank_of(x), 1), False)[1])
 
