@@ -219,8 +219,6 @@ def test_bridge_lowers_for_the_target_platform():
 
 
 def test_empty_matrices():
-    from support import assert_compiles_like_eager
-
     def f(x):
         sign, logabsdet = torch.linalg.slogdet(x)
         return torch.linalg.det(x), sign, logabsdet, torch.linalg.inv(x), torch.linalg.inv_ex(x).info

@@ -341,14 +341,16 @@ def _factors_transpose(ctx) -> bool:
 def _linalg_det(ctx, a):
     transposed = _factors_transpose(ctx)
     fn = functools.partial(_jax_det, transposed=transposed)
-    return _empty_matrix_results(ctx, a, (1, 0, 0)) or jax_bridge.call("linalg_det", fn, [a], _specs(ctx), params=(transposed,))
+    empty = _empty_matrix_results(ctx, a, (1, 0, 0))
+    return empty or jax_bridge.call("linalg_det", fn, [a], _specs(ctx), params=(transposed,))
 
 
 @register_lowering(aten._linalg_slogdet.default)
 def _linalg_slogdet(ctx, a):
     transposed = _factors_transpose(ctx)
     fn = functools.partial(_jax_slogdet, transposed=transposed)
-    return _empty_matrix_results(ctx, a, (1, 0, 0, 0)) or jax_bridge.call("linalg_slogdet", fn, [a], _specs(ctx), params=(transposed,))
+    empty = _empty_matrix_results(ctx, a, (1, 0, 0, 0))
+    return empty or jax_bridge.call("linalg_slogdet", fn, [a], _specs(ctx), params=(transposed,))
 
 
 # --- the error-check effect ---------------------------------------------------------------------------------
