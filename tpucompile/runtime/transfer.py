@@ -17,17 +17,16 @@ _import_dlpack = xla_client._xla.dlpack_managed_tensor_to_buffer
 _export_dlpack = xla_client._xla.buffer_to_dlpack_managed_tensor
 _capsule_to_tensor = torch.utils.dlpack.from_dlpack
 # The C entry point skips ``Tensor.__dlpack__``'s Python-level argument handling (about 2 us a tensor).
-_tensor_to_capsule = getattr(torch._C, "_to_dlpack", None) or (lambda tensor: tensor.__dlpack__())
+# It also accepts tensors that require grad, which ``__dlpack__`` refuses.
+_tensor_to_capsule = getattr(torch._C, "_to_dlpack", None) or (lambda tensor: tensor.detach().__dlpack__())
 
 
 def to_buffer(tensor: torch.Tensor, device: object) -> object:
     """A PJRT buffer holding ``tensor``'s values on ``device`` (zero-copy when the memory is shared)."""
     if not tensor.is_contiguous():
         tensor = tensor.contiguous()
-    if tensor.requires_grad:
-        tensor = tensor.detach()
-    if tensor.device.type == "cpu" and device.platform != "cpu":
-        return jax.device_put(_as_numpy(tensor), device)
+    if tensor.is_cpu and device.platform != "cpu":
+        return jax.device_put(_as_numpy(tensor.detach()), device)
     return _import_dlpack(_tensor_to_capsule(tensor), device, None)
 
 
