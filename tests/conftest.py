@@ -1,5 +1,8 @@
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -9,6 +12,29 @@ sys.path.insert(0, os.path.dirname(__file__))
 # Tests are strict: an op without a lowering fails instead of quietly running in eager PyTorch. The tests of
 # the eager fallback itself ask for it explicitly.
 os.environ["TPUCOMPILE_FALLBACK"] = "error"
+
+# The persistent compile cache of this test session lives in a temp dir, never in the real home directory;
+# tests of the cache itself point TPUCOMPILE_CACHE_DIR at their own tmp_path.
+_CACHE_DIR = tempfile.mkdtemp(prefix="tpucompile-test-cache-")
+os.environ["TPUCOMPILE_CACHE_DIR"] = _CACHE_DIR
+atexit.register(shutil.rmtree, _CACHE_DIR, ignore_errors=True)
+
+
+@pytest.fixture
+def aten_ops(monkeypatch) -> set:
+    """The ATen ops of every graph handed to the tpucompile backend during the test, so a test can check
+    that the op it is about really reached the lowering (and was not decomposed away before it)."""
+    from tpucompile import backend
+
+    seen: set = set()
+    original = backend.compile_graph
+
+    def recording(gm, example_inputs, options, name):
+        seen.update(n.target for n in gm.graph.nodes if n.op == "call_function")
+        return original(gm, example_inputs, options, name)
+
+    monkeypatch.setattr(backend, "compile_graph", recording)
+    return seen
 
 
 @pytest.fixture(autouse=True)

@@ -13,26 +13,12 @@ import torch.nn.functional as F
 from support import assert_close_tree, assert_compiles_like_eager
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from tpucompile import backend, driver
+from tpucompile import driver
 from tpucompile.config import Options
 
 aten = torch.ops.aten
 
 CONVOLUTION_OPS = {aten.convolution.default, aten.convolution_backward.default}
-
-
-@pytest.fixture
-def aten_ops(monkeypatch) -> set:
-    """The ATen ops of every graph handed to the tpucompile backend during the test."""
-    seen: set = set()
-    original = backend.compile_graph
-
-    def recording(gm, example_inputs, options, name):
-        seen.update(n.target for n in gm.graph.nodes if n.op == "call_function")
-        return original(gm, example_inputs, options, name)
-
-    monkeypatch.setattr(backend, "compile_graph", recording)
-    return seen
 
 
 # (function, input shapes): input, weight[, bias]

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from support import assert_close_tree, assert_compiles_like_eager
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from tpucompile import backend, driver
+from tpucompile import driver
 from tpucompile.config import Options
 
 aten = torch.ops.aten
@@ -21,20 +21,6 @@ aten = torch.ops.aten
 INDICES = torch.tensor([1, 2, 4, 5, 4, 3, 2, 9, 4, 4])
 OFFSETS = torch.tensor([0, 2, 2, 5, 8])
 CLOSED = torch.tensor([0, 2, 2, 5, 8, 10])  # include_last_offset: the last offset closes the last bag
-
-
-@pytest.fixture
-def aten_ops(monkeypatch) -> set:
-    """The ATen ops of every graph handed to the tpucompile backend during the test."""
-    seen: set = set()
-    original = backend.compile_graph
-
-    def recording(gm, example_inputs, options, name):
-        seen.update(n.target for n in gm.graph.nodes if n.op == "call_function")
-        return original(gm, example_inputs, options, name)
-
-    monkeypatch.setattr(backend, "compile_graph", recording)
-    return seen
 
 
 @pytest.mark.parametrize("mode", ["sum", "mean", "max"])

@@ -12,8 +12,6 @@ import torch
 import torch.nn.functional as F
 from support import assert_compiles_like_eager
 
-from tpucompile import backend
-
 aten = torch.ops.aten
 
 MAX_2D = {aten.max_pool2d_with_indices.default, aten.max_pool2d_with_indices_backward.default}
@@ -24,20 +22,6 @@ ADAPTIVE_AVG_2D = {aten._adaptive_avg_pool2d.default, aten._adaptive_avg_pool2d_
 ADAPTIVE_AVG_3D = {aten._adaptive_avg_pool3d.default, aten._adaptive_avg_pool3d_backward.default}
 ADAPTIVE_MAX_2D = {aten.adaptive_max_pool2d.default, aten.adaptive_max_pool2d_backward.default}
 ADAPTIVE_MAX_3D = {aten.adaptive_max_pool3d.default, aten.adaptive_max_pool3d_backward.default}
-
-
-@pytest.fixture
-def aten_ops(monkeypatch) -> set:
-    """The ATen ops of every graph handed to the tpucompile backend during the test."""
-    seen: set = set()
-    original = backend.compile_graph
-
-    def recording(gm, example_inputs, options, name):
-        seen.update(n.target for n in gm.graph.nodes if n.op == "call_function")
-        return original(gm, example_inputs, options, name)
-
-    monkeypatch.setattr(backend, "compile_graph", recording)
-    return seen
 
 
 # name: (function, input shape, ops that must reach the backend)

@@ -13,23 +13,7 @@ import torch
 import torch.nn.functional as F
 from support import assert_compiles_like_eager
 
-from tpucompile import backend
-
 aten = torch.ops.aten
-
-
-@pytest.fixture
-def aten_ops(monkeypatch) -> set:
-    """The ATen ops of every graph handed to the tpucompile backend during the test."""
-    seen: set = set()
-    original = backend.compile_graph
-
-    def recording(gm, example_inputs, options, name):
-        seen.update(n.target for n in gm.graph.nodes if n.op == "call_function")
-        return original(gm, example_inputs, options, name)
-
-    monkeypatch.setattr(backend, "compile_graph", recording)
-    return seen
 
 
 def _interpolations_2d(x):

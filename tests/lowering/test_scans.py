@@ -7,28 +7,11 @@ Each test compiles one function with several ops to keep the compile count low, 
 
 from __future__ import annotations
 
-import pytest
 import torch
 from support import assert_compiles_like_eager
 
-from tpucompile import backend
-
 aten = torch.ops.aten
 NAN = float("nan")
-
-
-@pytest.fixture
-def aten_ops(monkeypatch) -> set:
-    """The ATen ops of every graph handed to the tpucompile backend during the test."""
-    seen: set = set()
-    original = backend.compile_graph
-
-    def recording(gm, example_inputs, options, name):
-        seen.update(n.target for n in gm.graph.nodes if n.op == "call_function")
-        return original(gm, example_inputs, options, name)
-
-    monkeypatch.setattr(backend, "compile_graph", recording)
-    return seen
 
 
 def test_cummax_cummin_all_dims_with_grad(aten_ops):
