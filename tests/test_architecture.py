@@ -12,7 +12,7 @@ import pathlib
 import pytest
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "tpucompile"
-ORDER = ["backend", "cli", "__main__", "driver", "passes", "lowering", "cache", "runtime"]
+ORDER = ["__main__", "backend", "cli", "driver", "compile_cache", "passes", "lowering", "cache", "runtime"]
 LEAVES = {"config", "errors", "diagnostics", "__init__"}
 
 

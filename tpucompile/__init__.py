@@ -9,6 +9,7 @@ __version__ = "0.1.0"
 
 from tpucompile.config import Options
 from tpucompile.errors import (
+    CacheMissError,
     CompileError,
     LoweringError,
     OptionsError,
@@ -18,6 +19,7 @@ from tpucompile.errors import (
 )
 
 __all__ = [
+    "CacheMissError",
     "CompileError",
     "LoweringError",
     "Options",

@@ -41,6 +41,25 @@ class Options:
     """What to do with an op or dtype tpucompile cannot lower: "eager" runs it in PyTorch between compiled
     regions (with one warning per op), "error" raises ``UnsupportedOpError``."""
 
+    cache_dir: str | None = None
+    """Directory of the persistent compile cache; None means ``$XDG_CACHE_HOME/tpucompile`` or
+    ``~/.cache/tpucompile``."""
+
+    cache_mode: str = "read-write"
+    """"read-write" (default), "read-only" (use entries, never write), "off" (in-process cache only) or
+    "strict" (any XLA compile is an error: ``CacheMissError`` names the graph and the key)."""
+
+    cache_remote: str | None = None
+    """Optional shared tier behind the local directory: an fsspec URL (``file://``, ``s3://``…) or
+    ``redis://host:port/db``. Its errors never fail a compile."""
+
+    cache_max_size: str | None = None
+    """Size cap of the local cache directory ("2GB", "500MB", bytes); the least valuable entries (hits *
+    compile time / size) are evicted past it. None: no cap."""
+
+    cache_remote_timeout: int = 3
+    """Seconds one remote cache operation may take before the remote tier is skipped for a while."""
+
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in dataclasses.fields(cls)]
@@ -67,7 +86,22 @@ class Options:
         return cls(**values)
 
 
-_CHOICES = {"fallback": ("eager", "error")}
+_CHOICES = {"fallback": ("eager", "error"), "cache_mode": ("read-write", "read-only", "off", "strict")}
+
+_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """Bytes in a size such as ``2GB``, ``512MiB`` or ``1000000`` (decimal units, binary with ``iB``)."""
+    number, unit = text.strip(), ""
+    for index, char in enumerate(number):
+        if not (char.isdigit() or char == "."):
+            number, unit = number[:index], number[index:].strip().upper()
+            break
+    if not number or unit not in _SIZE_UNITS:
+        raise OptionsError(f"{text!r} is not a size (use e.g. 2GB, 500MB, 1GiB or a number of bytes)")
+    return int(float(number) * _SIZE_UNITS[unit])
 
 
 def _check_type(name: str, value: Any, annotation: str) -> Any:
@@ -79,6 +113,8 @@ def _check_type(name: str, value: Any, annotation: str) -> Any:
         raise OptionsError(f"tpucompile option {name!r} must be a non-negative int, got {value!r}")
     if annotation == "str | None" and value is not None and not isinstance(value, str):
         raise OptionsError(f"tpucompile option {name!r} must be a string, got {value!r}")
+    if name == "cache_max_size" and value is not None:
+        parse_size(value)
     return value
 
 

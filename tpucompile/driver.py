@@ -9,7 +9,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-import time
 import warnings
 import weakref
 from collections.abc import Callable
@@ -18,12 +17,11 @@ from typing import Any
 import torch
 import torch.fx
 
-from tpucompile import __version__, diagnostics
-from tpucompile.cache import MemoryStore, executable_key_components
-from tpucompile.cache.keys import cache_key
+from tpucompile import compile_cache, diagnostics
+from tpucompile.cache import MemoryStore
 from tpucompile.config import Options
 from tpucompile.errors import TpuCompileWarning, UnsupportedOpError
-from tpucompile.lowering import LoweredProgram, ShapeBindings, is_symbolic, jax_bridge, lower_graph
+from tpucompile.lowering import LoweredProgram, ShapeBindings, is_symbolic
 from tpucompile.lowering.graph import SEED_POSITION as LOWERED_SEED_POSITION
 from tpucompile.lowering.graph import unsupported_reason
 from tpucompile.passes import partition_supported, run_passes
@@ -34,9 +32,6 @@ from tpucompile.runtime import (
     SEED_POSITION,
     GraphExecutable,
     ShapeSpecializer,
-    Target,
-    compile_module,
-    compile_options,
     get_target,
 )
 
@@ -53,7 +48,15 @@ class CompileEvent:
     key: str
     key_components: dict[str, Any]
     cache_hit: bool
+    """True when the executable was not compiled now (found in memory, the local or the remote cache)."""
     compile_seconds: float
+    """Time spent obtaining the executable: looking it up and loading it, or compiling it."""
+    tier: str | None = None
+    """Where the executable came from: "memory", "local", "remote", or None when it was compiled."""
+    saved_seconds: float = 0.0
+    """For a persistent-cache hit: the compile time recorded with the entry minus the time to load it."""
+    program_tier: str | None = None
+    """Where the lowered program came from (lowering skipped), or None when the graph was lowered now."""
 
 
 Observer = Callable[[CompileEvent], None]
@@ -65,7 +68,6 @@ def add_observer(observer: Observer) -> Callable[[], None]:
     _observers.append(observer)
     return lambda: _observers.remove(observer) if observer in _observers else None
 
-_executables: MemoryStore[Any] = MemoryStore(Options().executable_cache_size)
 _graphs_compiled = 0
 _recent: collections.deque[weakref.ref] = collections.deque(maxlen=64)
 
@@ -82,7 +84,7 @@ def graphs_compiled() -> int:
 
 def executable_cache() -> MemoryStore[Any]:
     """The process-wide cache of loaded executables (content-addressed)."""
-    return _executables
+    return compile_cache.executable_cache()
 
 
 def compile_graph(
@@ -95,7 +97,7 @@ def compile_graph(
     """
     global _graphs_compiled
     _graphs_compiled += 1
-    _executables.resize(options.executable_cache_size)
+    compile_cache.executable_cache().resize(options.executable_cache_size)
     passes = run_passes(gm, options.embed_constant_limit)
     unsupported = [n for n in gm.graph.nodes if unsupported_reason(n) is not None]
     if not unsupported:
@@ -167,11 +169,11 @@ def _compile_region(
     user_arg_count = len(placeholders) - len(lifted_constants)
 
     def build(bindings: ShapeBindings) -> GraphExecutable:
-        with jax_bridge.target_platform(target.platform):
-            program = lower_graph(gm, bindings, verify=options.verify)
-        loaded = load_executable(program, target, name, gm)
+        program, program_sha256, program_tier = compile_cache.lowered_program(gm, bindings, target, options)
+        loaded = compile_cache.load_executable(program, program_sha256, target, options, name)
+        _notify(name, gm, program, loaded, program_tier)
         executable = GraphExecutable(
-            loaded,
+            loaded.executable,
             target.device,
             [SEED_POSITION if p == LOWERED_SEED_POSITION else p for p in program.input_positions],
             _output_plan(program),
@@ -193,31 +195,20 @@ def _compile_region(
     return ShapeSpecializer(name, build_for_call, names, options.max_shape_specializations)
 
 
-def load_executable(program: LoweredProgram, target: Target, name: str, gm: torch.fx.GraphModule) -> Any:
-    """A loaded executable for ``program``: from the in-process cache, or compiled now."""
-    components = executable_key_components(
-        program.text(debug_info=False),
-        target.describe(),
-        compile_options(target).SerializeAsString(),
-        __version__,
-    )
-    key = cache_key(components)
-    start = time.perf_counter()
-    loaded = _executables.get(key)
-    hit = loaded is not None
-    if hit:
-        log.debug("%s: executable cache hit %s", name, key[:12])
-    else:
-        loaded = compile_module(program.bytecode(), target)
-        _executables.put(key, loaded)
-    seconds = time.perf_counter() - start
-    if not hit:
-        log.debug("%s: compiled in %.1f ms (key %s)", name, seconds * 1e3, key[:12])
+def _notify(
+    name: str,
+    gm: torch.fx.GraphModule,
+    program: LoweredProgram,
+    loaded: compile_cache.LoadedExecutable,
+    program_tier: str | None,
+) -> None:
     if _observers:
-        event = CompileEvent(name, gm, program, key, components, hit, seconds)
+        event = CompileEvent(
+            name, gm, program, loaded.key, loaded.components, loaded.tier is not None, loaded.seconds,
+            loaded.tier, loaded.saved_seconds, program_tier,
+        )
         for observer in list(_observers):
             observer(event)
-    return loaded
 
 
 def _output_plan(program: LoweredProgram) -> list[tuple[int, Any]]:

@@ -25,3 +25,7 @@ class CompileError(TpuCompileError):
 
 class TpuCompileWarning(UserWarning):
     """Something was compiled differently than asked, e.g. an op ran in eager PyTorch."""
+
+
+class CacheMissError(TpuCompileError):
+    """``cache_mode="strict"`` and a graph's executable was not in the cache: it would have been compiled."""

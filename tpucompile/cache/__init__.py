@@ -1,14 +1,42 @@
-"""Content-addressed compile cache. Knows keys and values, not torch."""
+"""Content-addressed compile cache. Knows keys and bytes, not torch.
 
-from tpucompile.cache.keys import cache_key, canonical_json, digest, executable_key_components
+Tiers: ``MemoryStore`` (loaded values, in-process) → ``PersistentCache`` (a local directory, then an
+optional remote store). Entries are ``Entry`` objects encoded without pickle (``entry.py``).
+"""
+
+from tpucompile.cache.entry import CorruptEntryError, Entry, decode, encode
+from tpucompile.cache.keys import (
+    ENVIRONMENT_COMPONENTS,
+    cache_key,
+    canonical_json,
+    differing_components,
+    digest,
+    environment_mismatches,
+    executable_key_components,
+    program_key_components,
+)
+from tpucompile.cache.local import LocalStore, default_root
 from tpucompile.cache.memory import CacheStats, MemoryStore, Store
+from tpucompile.cache.tiered import MODES, PersistentCache
 
 __all__ = [
+    "ENVIRONMENT_COMPONENTS",
+    "MODES",
     "CacheStats",
+    "CorruptEntryError",
+    "Entry",
+    "LocalStore",
     "MemoryStore",
+    "PersistentCache",
     "Store",
     "cache_key",
     "canonical_json",
+    "decode",
+    "default_root",
+    "differing_components",
     "digest",
+    "encode",
+    "environment_mismatches",
     "executable_key_components",
+    "program_key_components",
 ]

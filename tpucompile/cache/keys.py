@@ -1,17 +1,33 @@
 """Content-addressed cache keys: SHA-256 over a canonical, typed JSON encoding of what goes into a compile.
 
 Keys are built only from what the compiler consumes (the program without source locations, the compile
-target, the options), never from what it produces, never from paths, pids, times or Python's ``hash``.
+target, the options, the versions of everything that turns one into the other), never from what it
+produces, never from paths, pids, times or Python's ``hash``. Components are a flat mapping of named,
+JSON-typed values so that two keys can be compared name by name (``tpucompile cache explain``).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 KEY_SCHEMA = 1
+
+ENVIRONMENT_COMPONENTS = (
+    "platform",
+    "platform_version",
+    "device_kind",
+    "device_count",
+    "jaxlib",
+    "xla_flags",
+    "tpucompile",
+    "lowering_sources",
+    "decompositions",
+)
+"""Components that describe the machine and software rather than the program: an entry whose values differ
+from this process's cannot be used here (a bundle import says which one)."""
 
 
 def canonical_json(components: Mapping[str, Any]) -> bytes:
@@ -20,6 +36,7 @@ def canonical_json(components: Mapping[str, Any]) -> bytes:
 
 
 def digest(data: bytes | str) -> str:
+    """Hex SHA-256 of bytes or of a string's UTF-8 encoding."""
     return hashlib.sha256(data.encode() if isinstance(data, str) else data).hexdigest()
 
 
@@ -28,14 +45,64 @@ def cache_key(components: Mapping[str, Any]) -> str:
     return digest(canonical_json({"schema": KEY_SCHEMA, **components}))
 
 
+def component_digests(components: Mapping[str, Any]) -> dict[str, str]:
+    """One short digest per component, stored in entry headers and compared to find what differs."""
+    return {name: digest(canonical_json({"v": value}))[:16] for name, value in components.items()}
+
+
+def is_key(text: str) -> bool:
+    """True for a well-formed key (64 lowercase hex digits); anything else never reaches a file path."""
+    return len(text) == 64 and all(c in "0123456789abcdef" for c in text)
+
+
 def executable_key_components(
-    program: str, target: Mapping[str, Any], compile_options: bytes, version: str
+    program: str,
+    inputs: Sequence[tuple[str, Sequence[int]]],
+    outputs: Sequence[tuple[str, Sequence[int]]],
+    compile_options: bytes,
+    environment: Mapping[str, Any],
 ) -> dict[str, Any]:
-    """Components of a StableHLO → executable key. ``program`` is the module text without locations."""
+    """Components of a StableHLO → executable key.
+
+    ``program`` is the module text without locations (or its SHA-256), ``inputs``/``outputs`` the
+    signature as (dtype, shape) pairs, ``compile_options`` the serialised options with debug fields
+    cleared, ``environment`` the values named in ``ENVIRONMENT_COMPONENTS``.
+    """
     return {
         "kind": "executable",
-        "program_sha256": digest(program),
-        "target": dict(target),
-        "compile_options_sha256": digest(compile_options),
-        "tpucompile": version,
+        "program": program if _is_digest(program) else digest(program),
+        "inputs": [[dtype, list(shape)] for dtype, shape in inputs],
+        "outputs": [[dtype, list(shape)] for dtype, shape in outputs],
+        "compile_options": digest(compile_options),
+        **{name: environment[name] for name in ENVIRONMENT_COMPONENTS},
     }
+
+
+def program_key_components(graph: str, environment: Mapping[str, Any], locations: str) -> dict[str, Any]:
+    """Components of an ATen graph → StableHLO key: the graph's canonical digest, the environment, and the
+    digest of the source locations the program carries (so a cached program never shows stale lines)."""
+    return {
+        "kind": "program",
+        "graph": graph,
+        "locations": locations,
+        **{name: environment[name] for name in ENVIRONMENT_COMPONENTS},
+    }
+
+
+def differing_components(first: Mapping[str, Any], second: Mapping[str, Any]) -> list[str]:
+    """Names of the components whose values differ (or that only one side has), sorted."""
+    names: Iterable[str] = set(first) | set(second)
+    return sorted(n for n in names if canonical_json({"v": first.get(n)}) != canonical_json({"v": second.get(n)}))
+
+
+def environment_mismatches(components: Mapping[str, Any], environment: Mapping[str, Any]) -> dict[str, tuple]:
+    """``{name: (entry's value, this environment's value)}`` for each environment component that differs."""
+    return {
+        name: (components.get(name), environment.get(name))
+        for name in ENVIRONMENT_COMPONENTS
+        if canonical_json({"v": components.get(name)}) != canonical_json({"v": environment.get(name)})
+    }
+
+
+def _is_digest(text: str) -> bool:
+    return is_key(text)

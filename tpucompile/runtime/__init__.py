@@ -3,7 +3,7 @@
 from tpucompile.runtime.compiler import compile_module
 from tpucompile.runtime.executable import CONSTANT, INPUT, RESULT, SEED_POSITION, GraphExecutable
 from tpucompile.runtime.specialize import ShapeSpecializer
-from tpucompile.runtime.target import Target, compile_options, get_target
+from tpucompile.runtime.target import Target, build_flags, compile_options, compile_options_fingerprint, get_target
 
 __all__ = [
     "CONSTANT",
@@ -13,7 +13,9 @@ __all__ = [
     "GraphExecutable",
     "ShapeSpecializer",
     "Target",
+    "build_flags",
     "compile_module",
     "compile_options",
+    "compile_options_fingerprint",
     "get_target",
 ]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
+import shlex
 
 import jax.extend.backend as jax_backend
 import jaxlib
@@ -64,3 +66,37 @@ def compile_options(target: Target, num_partitions: int = 1) -> object:
         )
         _compile_options[key] = options
     return options
+
+
+# XLA flags and DebugOptions fields that only change what XLA writes or logs, never the code it generates.
+_DEBUG_FLAG_PREFIXES = ("xla_dump", "xla_gpu_dump", "xla_log", "xla_detailed_logging", "xla_enable_dumping",
+                        "xla_cpu_enable_xprof_traceme", "xla_hlo_graph", "xla_hlo_profile")
+
+
+def _is_debug_flag(name: str) -> bool:
+    return name.startswith(_DEBUG_FLAG_PREFIXES)
+
+
+def build_flags(environ: dict[str, str] | None = None) -> list[str]:
+    """The XLA flags (``XLA_FLAGS``, and ``LIBTPU_INIT_ARGS`` on TPU hosts) that can change generated code:
+    dump and logging flags dropped, one value per flag (the last wins, as in XLA), sorted."""
+    environ = os.environ if environ is None else environ
+    flags: dict[str, str] = {}
+    for variable in ("XLA_FLAGS", "LIBTPU_INIT_ARGS"):
+        for token in shlex.split(environ.get(variable, "")):
+            name = token.lstrip("-").split("=", 1)[0]
+            if name and not _is_debug_flag(name):
+                flags[name] = token.lstrip("-")
+    return [flags[name] for name in sorted(flags)]
+
+
+def compile_options_fingerprint(options: object) -> bytes:
+    """``options`` serialised with its debug fields (dump paths, logging) cleared: the bytes a cache key
+    hashes, equal for two processes that compile the same code whatever they dump."""
+    copy = type(options).ParseFromString(options.SerializeAsString())
+    debug = copy.executable_build_options.debug_options
+    for name in dir(debug):
+        if _is_debug_flag(name):
+            value = getattr(debug, name)
+            setattr(debug, name, type(value)())
+    return copy.SerializeAsString()

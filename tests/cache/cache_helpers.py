@@ -1,0 +1,60 @@
+"""Helpers shared by the cache tests: fresh-process workloads, free ports, clean in-process tiers."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+WORKLOAD = pathlib.Path(__file__).with_name("workload.py")
+
+
+def workload_env(cache_dir: pathlib.Path | str, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TPUCOMPILE_CACHE")}
+    env["TPUCOMPILE_CACHE_DIR"] = str(cache_dir)
+    env.update(extra)
+    return env
+
+
+def start_workload(env: Mapping[str, str], args: Sequence[str] = (), cwd: str | None = None) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, str(WORKLOAD), *args], env=dict(env), cwd=cwd, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True,
+    )
+
+
+def finish(process: subprocess.Popen, timeout: float = 180) -> dict[str, Any]:
+    out, err = process.communicate(timeout=timeout)
+    assert process.returncode == 0, f"workload failed ({process.returncode}):\n{err[-3000:]}"
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def run_workload(env: Mapping[str, str], args: Sequence[str] = (), cwd: str | None = None) -> dict[str, Any]:
+    return finish(start_workload(env, args, cwd))
+
+
+def executable_events(result: Mapping[str, Any]) -> list[dict[str, Any]]:
+    return list(result["events"])
+
+
+def compile_and_run(fn, *inputs, **options):
+    """Compile ``fn`` with tpucompile in this process (in-memory tiers emptied first); return (result,
+    events). Persistent tiers are whatever the environment and ``options`` say."""
+    import torch
+
+    from tpucompile import compile_cache, driver
+
+    compile_cache.clear_memory()
+    torch._dynamo.reset()
+    events = []
+    remove = driver.add_observer(events.append)
+    try:
+        compiled = torch.compile(fn, backend="tpucompile", fullgraph=True, options=options or None)
+        result = compiled(*inputs)
+    finally:
+        remove()
+    return result, events

@@ -1,0 +1,84 @@
+"""``tpucompile cache …`` and ``tpucompile warm`` (mostly in-process through ``cli.main``)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from cache_helpers import WORKLOAD, workload_env
+
+from tpucompile import cli
+from tpucompile.cache import Entry, PersistentCache
+
+
+def _run(capsys, *argv: str) -> tuple[int, dict]:
+    status = cli.main([*argv, "--json"])
+    out = capsys.readouterr().out
+    return status, json.loads(out)
+
+
+@pytest.fixture
+def filled(tmp_path):
+    cache = PersistentCache(tmp_path)
+    a = Entry.create({"kind": "executable", "program": "1" * 64, "jaxlib": "0.10.2", "xla_flags": []},
+                     b"a" * 5000, {}, 2.0)
+    b = Entry.create({"kind": "executable", "program": "1" * 64, "jaxlib": "0.10.3", "xla_flags": ["x=1"]},
+                     b"b" * 9000, {}, 0.1)
+    cache.put(a)
+    cache.put(b)
+    return tmp_path, cache, a, b
+
+
+def test_ls_stats_verify(filled, capsys):
+    directory, cache, a, b = filled
+    status, listing = _run(capsys, "cache", "ls", "--dir", str(directory))
+    assert status == 0 and {e["key"] for e in listing["entries"]} == {a.key, b.key}
+    status, stats = _run(capsys, "cache", "stats", "--dir", str(directory))
+    assert stats["entries"] == 2 and stats["by_kind"]["executable"]["entries"] == 2
+    status, verify = _run(capsys, "cache", "verify", "--dir", str(directory))
+    assert status == 0 and verify["ok"] == 2
+    path = cache.local.path(b.key)
+    data = bytearray(path.read_bytes())
+    data[-100] ^= 1
+    path.write_bytes(bytes(data))
+    status, verify = _run(capsys, "cache", "verify", "--dir", str(directory))
+    assert status == 1 and list(verify["corrupt"]) == [b.key]
+    assert not path.exists()
+
+
+def test_explain_names_differing_components(filled, capsys):
+    directory, _, a, b = filled
+    status, explained = _run(capsys, "cache", "explain", a.key, b.key[:12], "--dir", str(directory))
+    assert status == 0
+    assert explained["differing"] == ["jaxlib", "xla_flags"]
+    assert explained["details"]["jaxlib"] == {"a": "0.10.2", "b": "0.10.3"}
+    assert cli.main(["cache", "explain", a.key, b.key, "--dir", str(directory)]) == 0
+    assert "jaxlib" in capsys.readouterr().out
+
+
+def test_prune_to_size(filled, capsys):
+    directory, cache, a, b = filled
+    status, pruned = _run(capsys, "cache", "prune", "--max-size", "6KB", "--dir", str(directory))
+    assert status == 0 and pruned["evicted"] == [b.key] and pruned["bytes_after"] <= 6000
+    assert cache.local.contains(a.key) and not cache.local.contains(b.key)
+
+
+def test_unknown_key_is_an_error_not_a_crash(filled, capsys):
+    directory, *_ = filled
+    assert cli.main(["cache", "explain", "ffff", "eeee", "--dir", str(directory)]) == 1
+    assert "matches 0" in capsys.readouterr().out
+
+
+def test_warm_reports_hits_and_expect_all_hits(tmp_path):
+    env = workload_env(tmp_path / "cache")
+    command = [sys.executable, "-m", "tpucompile", "warm", "--json", "--expect-all-hits", str(WORKLOAD)]
+    cold = subprocess.run(command, env=env, capture_output=True, text=True, timeout=180)
+    assert cold.returncode == 1, cold.stderr[-2000:]
+    assert "expect-all-hits" in cold.stderr
+    warm = subprocess.run(command, env=env, capture_output=True, text=True, timeout=180)
+    assert warm.returncode == 0, warm.stderr[-2000:]
+    report = json.loads(warm.stdout[warm.stdout.index("{\n"):])
+    assert report["misses"] == 0 and report["hits"] == 1 and report["hits_by_tier"]["local"] == 1
+    assert report["lowering_skipped"] == 1 and report["seconds_saved"] > 0

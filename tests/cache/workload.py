@@ -1,0 +1,68 @@
+"""A small workload that the cache tests run in fresh processes; prints one JSON line about its compiles.
+
+    python workload.py [--train] [--barrier DIR N] [--scale K]
+
+``--barrier DIR N`` waits, after the imports, until N processes have reached the barrier, so that they
+race on the same keys. The result is checked against eager PyTorch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import sys
+import time
+
+import torch
+
+from tpucompile import driver
+
+
+def _barrier(folder: str, count: int) -> None:
+    path = pathlib.Path(folder)
+    (path / f"ready-{os.getpid()}").touch()
+    deadline = time.time() + 120
+    while len(list(path.glob("ready-*"))) < count and time.time() < deadline:
+        time.sleep(0.01)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--train", action="store_true")
+    parser.add_argument("--barrier", nargs=2)
+    parser.add_argument("--scale", type=int, default=1)
+    args = parser.parse_args()
+    events = []
+    driver.add_observer(events.append)
+    torch.manual_seed(0)
+    width = 16 * args.scale
+    model = torch.nn.Sequential(torch.nn.Linear(width, 32), torch.nn.Tanh(), torch.nn.Linear(32, 8))
+    x = torch.randn(4, width)
+    compiled = torch.compile(model, backend="tpucompile")
+    if args.barrier:
+        _barrier(args.barrier[0], int(args.barrier[1]))
+    if args.train:
+        loss = compiled(x).pow(2).sum()
+        loss.backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad()
+        model(x).pow(2).sum().backward()
+        ok = all(torch.allclose(g, p.grad, atol=1e-5) for g, p in zip(grads, model.parameters(), strict=True))
+    else:
+        with torch.no_grad():
+            ok = torch.allclose(compiled(x), model(x), atol=1e-5)
+    print(json.dumps({
+        "ok": bool(ok),
+        "events": [
+            {"name": e.name, "key": e.key, "tier": e.tier, "program_tier": e.program_tier,
+             "components": e.key_components}
+            for e in events
+        ],
+    }))
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,7 @@
+"""``python -m tpucompile``: the same command line as the ``tpucompile`` script."""
+
+import sys
+
+from tpucompile.cli import main
+
+sys.exit(main())

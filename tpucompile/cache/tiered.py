@@ -1,0 +1,210 @@
+"""The persistent tiers behind the in-process one: local directory, then an optional remote store.
+
+``get`` looks in the local directory, then the remote (a remote hit is written back locally), verifying
+every entry it reads: a corrupt or mismatched entry is quarantined (local) or ignored (remote), counted,
+and reported as a miss, so it is recompiled and never served. ``put`` publishes create-only to both tiers
+and evicts the least valuable local entries past the size cap. ``claim`` is single-flight per key.
+
+Modes: ``read-write``; ``read-only`` (never writes: no publish, no index updates); ``strict`` (reads and
+writes like read-write; the caller refuses to compile); ``off`` (no persistent tier at all).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import pathlib
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from tpucompile.cache.entry import CorruptEntryError, Entry, decode, encode, read_header
+from tpucompile.cache.flight import SingleFlight
+from tpucompile.cache.index import Index
+from tpucompile.cache.keys import component_digests
+from tpucompile.cache.local import LocalStore
+from tpucompile.cache.remote import GuardedRemote
+
+log = logging.getLogger("tpucompile")
+
+MODES = ("read-write", "read-only", "off", "strict")
+
+
+class PersistentCache:
+    """Local directory + optional remote, with verification, quarantine, eviction and single-flight."""
+
+    def __init__(
+        self,
+        root: str | pathlib.Path,
+        mode: str = "read-write",
+        remote: str | None = None,
+        max_size: int | None = None,
+        remote_timeout: float = 3.0,
+    ) -> None:
+        if mode not in MODES:
+            raise ValueError(f"cache mode must be one of {', '.join(MODES)}, got {mode!r}")
+        self.mode = mode
+        self.writable = mode in ("read-write", "strict")
+        self.max_size = max_size
+        self.local = LocalStore(root, create=self.writable)
+        self.index = Index(self.local.base / "index.sqlite", read_only=not self.writable)
+        self.remote = GuardedRemote(remote, remote_timeout) if remote else None
+        self.flight = SingleFlight(self.local.locks if self.writable else None)
+        self.quarantined = 0
+        self._lock = threading.Lock()
+
+    # -- reads --
+
+    def get(self, key: str) -> tuple[Entry, str] | None:
+        """The verified entry for ``key`` and the tier it came from ("local" or "remote"), or None."""
+        data = self._read_local(key)
+        if data is not None:
+            try:
+                return decode(data, key), "local"
+            except CorruptEntryError as error:
+                self.quarantine(key, str(error))
+        if self.remote is None:
+            return None
+        data = self.remote.get(key)
+        if data is None:
+            return None
+        try:
+            entry = decode(data, key)
+        except CorruptEntryError as error:
+            log.warning("tpucompile: remote cache entry %s is corrupt (%s); ignoring it", key[:16], error)
+            self._count("remote_corrupt")
+            return None
+        if self.writable:
+            self.publish_local(entry, data)
+        return entry, "remote"
+
+    def _read_local(self, key: str) -> bytes | None:
+        try:
+            return self.local.read(key)
+        except OSError as error:  # an unreadable file is treated like a corrupt one
+            log.warning("tpucompile: cannot read cache entry %s: %s", key[:16], error)
+            return None
+
+    def contains(self, key: str) -> bool:
+        """True when the local tier has an entry file for ``key`` (unverified; for waiters)."""
+        return self.local.contains(key)
+
+    # -- writes --
+
+    def put(self, entry: Entry) -> None:
+        """Publish ``entry`` locally and remotely (create-only); evict past the size cap."""
+        if not self.writable:
+            return
+        data = encode(entry)
+        self.publish_local(entry, data)
+        if self.remote is not None:
+            self.remote.put_if_absent(entry.key, data)
+
+    def publish_local(self, entry: Entry, data: bytes) -> None:
+        """Publish already encoded, verified bytes of ``entry`` in the local tier only."""
+        try:
+            published = self.local.publish(entry.key, data)
+        except OSError as error:
+            log.warning("tpucompile: cannot write the local cache (%s); continuing without it", error)
+            return
+        if published:
+            self._index("record_put", entry.key, entry.kind, len(data), entry.compile_seconds,
+                        component_digests(entry.components))
+            if self.max_size is not None:
+                self.prune(self.max_size, keep=frozenset([entry.key]))
+
+    def record_hit(self, key: str, saved_seconds: float, kind: str = "executable") -> None:
+        """Count a hit (executables in ``hits``, other kinds in ``<kind>_hits``) and the time it saved."""
+        if self.writable:
+            self._index("record_hit", key, saved_seconds, "" if kind == "executable" else f"{kind}_")
+
+    def record_miss(self, kind: str = "executable") -> None:
+        self._count("misses" if kind == "executable" else f"{kind}_misses")
+
+    def quarantine(self, key: str, reason: str) -> None:
+        """Move a bad local entry aside so it is never served again, and count it."""
+        with self._lock:
+            self.quarantined += 1
+        log.warning("tpucompile: cache entry %s failed verification (%s); quarantined, recompiling", key[:16],
+                    reason)
+        if self.writable:
+            self.local.quarantine(key, reason)
+            self._index("remove", [key])
+        self._count("quarantined")
+
+    def prune(self, max_bytes: int, keep: frozenset[str] = frozenset()) -> list[tuple[str, int]]:
+        """Evict the least valuable entries until the local tier holds at most ``max_bytes``."""
+        if not self.writable:
+            return []
+        with self._suppress():
+            if self.index.total_size() <= max_bytes:
+                return []
+            victims = self.index.victims(max_bytes, keep)
+            for key, _ in victims:
+                self.local.delete(key)
+            self.index.remove([key for key, _ in victims])
+            self.index.count("evictions", len(victims))
+            return victims
+        return []
+
+    def reconcile(self) -> dict[str, int]:
+        """Make the index match the entry files: add rows for files it lacks, drop rows without files."""
+        on_disk = set(self.local.list_keys())
+        known = {row["key"] for row in self.index.rows()}
+        added = 0
+        for key in on_disk - known:
+            head = self.local.read_head(key)
+            size = self.local.size(key)
+            if head is None or size is None:
+                continue
+            try:
+                header = read_header(head)
+            except CorruptEntryError:
+                continue  # verify() will find it
+            self.index.record_put(key, str(header.get("kind", "")), size, float(header.get("compile_seconds", 0)),
+                                  dict(header.get("component_digests", {})))
+            added += 1
+        stale = sorted(known - on_disk)
+        self.index.remove(stale)
+        return {"added": added, "removed": len(stale), "temp_removed": self.local.clean_temp()}
+
+    # -- single flight --
+
+    @contextlib.contextmanager
+    def claim(self, key: str) -> Iterator[bool]:
+        """Single-flight for ``key`` (see ``flight.py``); a no-op lock when the cache cannot be written."""
+        with self.flight.claim(key, published=lambda: self.local.contains(key)) as held:
+            yield held
+
+    # -- introspection --
+
+    def nearest(self, kind: str, components: dict[str, Any]) -> tuple[str, list[str]] | None:
+        with self._suppress():
+            return self.index.nearest(kind, component_digests(components))
+        return None
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "dir": str(self.local.root),
+            "mode": self.mode,
+            "max_size": self.max_size,
+            "remote": self.remote.describe() if self.remote else None,
+        }
+
+    # -- helpers --
+
+    def _index(self, method: str, *args: Any) -> None:
+        with self._suppress():
+            getattr(self.index, method)(*args)
+
+    def _count(self, name: str) -> None:
+        if self.writable:
+            self._index("count", name)
+
+    @contextlib.contextmanager
+    def _suppress(self) -> Iterator[None]:
+        """The index is advisory: a locked or broken database must not fail a compile."""
+        try:
+            yield
+        except Exception as error:
+            log.debug("tpucompile: cache index operation failed: %s", error)

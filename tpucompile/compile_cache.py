@@ -1,0 +1,418 @@
+"""The torch-aware side of the compile cache: what goes into keys, and how values become bytes and back.
+
+Two layers, each memory → local directory → remote (``tpucompile/cache``):
+
+* **program**: ATen graph → lowered StableHLO. Keyed by a canonical encoding of the graph (node targets,
+  arguments, dtypes and concrete shapes, embedded constants' bytes; never object ids), the environment, and
+  the source locations the program will carry (so a cached program never shows another file's lines). A hit
+  skips lowering.
+* **executable**: StableHLO → loaded XLA executable. Keyed by the program text without locations, its
+  signature, the compile options without debug fields, the XLA flags and the environment (platform and its
+  version, device kind and count, jaxlib, tpucompile and a digest of its lowering sources). Portable across
+  hosts and checkouts: nothing in it is a path, a pid, a time or a hash seed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import math
+import os
+import pathlib
+import time
+from collections.abc import Mapping
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+import torch.fx
+from jax.extend.mlir import ir
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+from tpucompile import __version__, diagnostics
+from tpucompile.cache import (
+    Entry,
+    MemoryStore,
+    PersistentCache,
+    cache_key,
+    canonical_json,
+    default_root,
+    digest,
+    executable_key_components,
+    program_key_components,
+)
+from tpucompile.config import Options, parse_size
+from tpucompile.errors import CacheMissError
+from tpucompile.lowering import LoweredProgram, OutputSlot, ShapeBindings, TensorSpec, jax_bridge, lower_graph
+from tpucompile.lowering.context import mlir_context
+from tpucompile.passes import decomposition_table
+from tpucompile.runtime import Target, build_flags, compile_module, compile_options, compile_options_fingerprint
+
+log = logging.getLogger("tpucompile")
+
+_LOWERING_DIR = pathlib.Path(__file__).resolve().parent / "lowering"
+
+_executables: MemoryStore[Any] = MemoryStore(Options().executable_cache_size)
+_programs: MemoryStore[tuple[LoweredProgram, str]] = MemoryStore(Options().executable_cache_size)
+_caches: dict[tuple, PersistentCache | None] = {}
+
+
+# -- environment ---------------------------------------------------------------------------------------
+
+
+@functools.cache
+def lowering_sources_digest() -> str:
+    """SHA-256 over the ``.py`` files of ``tpucompile/lowering`` (relative paths and contents)."""
+    parts = []
+    for path in sorted(_LOWERING_DIR.rglob("*.py")):
+        parts.append(path.relative_to(_LOWERING_DIR).as_posix().encode() + b"\0" + path.read_bytes())
+    return digest(b"\0\0".join(parts))
+
+
+@functools.cache
+def decompositions_digest() -> str:
+    """SHA-256 of the names of the ops AOTAutograd decomposes for us."""
+    return digest("\n".join(sorted(str(op) for op in decomposition_table())))
+
+
+def environment(target: Target) -> dict[str, Any]:
+    """Everything about this machine and software that changes compiled code (``ENVIRONMENT_COMPONENTS``)."""
+    return {
+        **target.describe(),
+        "xla_flags": build_flags(),
+        "tpucompile": __version__,
+        "lowering_sources": lowering_sources_digest(),
+        "decompositions": decompositions_digest(),
+    }
+
+
+def persistent_cache(options: Options) -> PersistentCache | None:
+    """The persistent tiers ``options`` ask for (one instance per distinct setting), None when off."""
+    if options.cache_mode == "off":
+        return None
+    root = options.cache_dir or str(default_root())
+    settings = (os.path.abspath(os.path.expanduser(root)), options.cache_mode, options.cache_remote,
+                options.cache_max_size, options.cache_remote_timeout)
+    if settings not in _caches:
+        try:
+            _caches[settings] = PersistentCache(
+                settings[0],
+                mode=options.cache_mode,
+                remote=options.cache_remote,
+                max_size=parse_size(options.cache_max_size) if options.cache_max_size else None,
+                remote_timeout=float(options.cache_remote_timeout),
+            )
+        except OSError as error:
+            log.warning("tpucompile: cannot use the cache directory %s (%s); caching in memory only", root, error)
+            _caches[settings] = None
+    return _caches[settings]
+
+
+def executable_cache() -> MemoryStore[Any]:
+    """The process-wide in-memory tier of loaded executables."""
+    return _executables
+
+
+def clear_memory() -> None:
+    """Forget every loaded executable and lowered program of this process (tests, benchmarks)."""
+    _executables.clear()
+    _programs.clear()
+
+
+# -- the program layer ----------------------------------------------------------------------------------
+
+
+class _Uncacheable(Exception):
+    """The graph holds something without a canonical encoding; it is lowered without the program cache."""
+
+
+def graph_fingerprint(gm: torch.fx.GraphModule, bindings: ShapeBindings) -> tuple[str, str]:
+    """(digest of the graph's canonical encoding, digest of its nodes' source locations)."""
+    nodes = []
+    locations = []
+    for node in gm.graph.nodes:
+        record: dict[str, Any] = {"op": node.op, "name": node.name}
+        if node.op in ("call_function", "call_method"):
+            record["target"] = diagnostics.op_name(node.target)
+            record["args"] = _encode(node.args, bindings)
+            record["kwargs"] = _encode(dict(node.kwargs), bindings)
+        elif node.op == "output":
+            record["args"] = _encode(node.args, bindings)
+        elif node.op == "get_attr":
+            record["target"] = str(node.target)
+            record["value"] = _encode_constant(getattr(gm, str(node.target), None))
+        elif node.op != "placeholder":
+            raise _Uncacheable(f"node kind {node.op}")
+        record["val"] = _encode_val(node.meta.get("val"), bindings)
+        nodes.append(record)
+        where = diagnostics.source_location(node)
+        locations.append([where.file, where.line] if where else None)
+    return digest(canonical_json({"nodes": nodes})), digest(canonical_json({"locations": locations}))
+
+
+def _encode(value: Any, bindings: ShapeBindings) -> Any:
+    """A typed, JSON-able encoding of a node argument (never an object id or repr of an arbitrary object)."""
+    if isinstance(value, torch.fx.Node):
+        return {"node": value.name}
+    if isinstance(value, bool) or value is None:
+        return value
+    if isinstance(value, int):
+        return {"int": str(value)}
+    if isinstance(value, float):
+        return {"float": repr(value)}
+    if isinstance(value, str):
+        return {"str": value}
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        try:
+            return _encode(bindings.resolve(value), bindings)
+        except Exception as error:
+            raise _Uncacheable(f"unresolvable size {value}") from error
+    if isinstance(value, (list, tuple)):
+        return {type(value).__name__: [_encode(v, bindings) for v in value]}
+    if isinstance(value, dict):
+        return {"dict": [[str(k), _encode(v, bindings)] for k, v in sorted(value.items())]}
+    if isinstance(value, torch.dtype):
+        return {"dtype": str(value)}
+    if isinstance(value, (torch.device, torch.layout, torch.memory_format)):
+        return {type(value).__name__: str(value)}
+    if isinstance(value, slice):
+        return {"slice": [_encode(v, bindings) for v in (value.start, value.stop, value.step)]}
+    if isinstance(value, torch._ops.OpOverload):
+        return {"op": str(value)}
+    raise _Uncacheable(f"argument of type {type(value).__name__}")
+
+
+def _encode_val(val: Any, bindings: ShapeBindings) -> Any:
+    if isinstance(val, torch.Tensor):
+        spec = bindings.spec(val)
+        return {"tensor": [str(spec.dtype), list(spec.shape)]}
+    if isinstance(val, (list, tuple)):
+        return {"list": [_encode_val(v, bindings) for v in val]}
+    try:
+        return _encode(val, bindings)
+    except _Uncacheable:
+        return {"type": type(val).__name__}
+
+
+def _encode_constant(value: Any) -> Any:
+    if not isinstance(value, torch.Tensor):
+        raise _Uncacheable(f"attribute of type {type(value).__name__}")
+    # AOTAutograd calls the compiler with its fake mode active; a real constant must stay real here.
+    with unset_fake_temporarily():
+        data = value.detach().cpu().contiguous().reshape(-1)
+        raw = data.view(torch.uint8) if data.dtype != torch.bool else data.to(torch.uint8)
+        raw_bytes = raw.numpy().tobytes()
+    return {"tensor": [str(value.dtype), list(value.shape)], "sha256": digest(raw_bytes)}
+
+
+def lowered_program(
+    gm: torch.fx.GraphModule, bindings: ShapeBindings, target: Target, options: Options
+) -> tuple[LoweredProgram, str, str | None]:
+    """The lowered program of ``gm``: (program, SHA-256 of its text without locations, the tier it came
+    from, or None when it was lowered now)."""
+
+    def lower() -> LoweredProgram:
+        with jax_bridge.target_platform(target.platform):
+            return lower_graph(gm, bindings, verify=options.verify)
+
+    try:
+        graph, locations = graph_fingerprint(gm, bindings)
+    except _Uncacheable as why:
+        log.debug("tpucompile: program cache skipped (%s)", why)
+        program = lower()
+        return program, digest(program.text(debug_info=False)), None
+    components = program_key_components(graph, environment(target), locations)
+    components["torch"] = torch.__version__  # lowering rules lean on torch's promotion and shape helpers
+    key = cache_key(components)
+    cached = _programs.get(key)
+    if cached is not None:
+        return cached[0], cached[1], "memory"
+    cache = persistent_cache(options)
+    found = cache.get(key) if cache is not None else None
+    if found is not None:
+        entry, tier = found
+        try:
+            start = time.perf_counter()
+            program = _program_from_entry(entry)
+            _programs.put(key, (program, entry.metadata["program_sha256"]))
+            cache.record_hit(key, entry.compile_seconds - (time.perf_counter() - start), "program")
+            return program, entry.metadata["program_sha256"], tier
+        except Exception as error:  # valid bytes, unusable content: never serve it
+            cache.quarantine(key, f"program entry does not load: {type(error).__name__}: {error}")
+    start = time.perf_counter()
+    program = lower()
+    seconds = time.perf_counter() - start
+    program_sha256 = digest(program.text(debug_info=False))
+    _programs.put(key, (program, program_sha256))
+    metadata = _program_metadata(program, program_sha256)
+    if cache is not None:
+        cache.record_miss("program")
+        if metadata is not None:
+            cache.put(Entry.create(components, program.bytecode(), metadata, seconds))
+    return program, program_sha256, None
+
+
+def _spec_json(spec: TensorSpec) -> list:
+    return [str(spec.dtype).removeprefix("torch."), list(spec.shape)]
+
+
+def _spec_from_json(value: list) -> TensorSpec:
+    dtype = getattr(torch, value[0])
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"not a dtype: {value[0]!r}")
+    return TensorSpec(tuple(int(s) for s in value[1]), dtype)
+
+
+def _program_metadata(program: LoweredProgram, program_sha256: str) -> dict[str, Any] | None:
+    """Everything but the module needed to rebuild ``program``; None when a constant output has no JSON form."""
+    plan = []
+    for slot in program.output_plan:
+        value = slot.value
+        if not (value is None or isinstance(value, (bool, int, float))) or (
+            isinstance(value, float) and not math.isfinite(value)
+        ):
+            return None
+        plan.append([slot.kind, slot.index, value])
+    return {
+        "program_sha256": program_sha256,
+        "input_specs": [_spec_json(s) for s in program.input_specs],
+        "input_positions": list(program.input_positions),
+        "result_specs": [_spec_json(s) for s in program.result_specs],
+        "output_plan": plan,
+    }
+
+
+def _program_from_entry(entry: Entry) -> LoweredProgram:
+    meta = entry.metadata
+    with mlir_context():
+        module = ir.Module.parse(entry.payload)
+    return LoweredProgram(
+        module=module,
+        input_specs=[_spec_from_json(s) for s in meta["input_specs"]],
+        input_positions=[int(p) for p in meta["input_positions"]],
+        result_specs=[_spec_from_json(s) for s in meta["result_specs"]],
+        output_plan=[OutputSlot(kind, int(index), value) for kind, index, value in meta["output_plan"]],
+    )
+
+
+# -- the executable layer -------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadedExecutable:
+    """A loaded executable and how it was obtained."""
+
+    executable: Any
+    key: str
+    components: dict[str, Any]
+    tier: str | None
+    """"memory", "local" or "remote" for a cache hit; None when it was compiled now."""
+    seconds: float
+    """Time spent looking it up and loading or compiling it."""
+    saved_seconds: float
+    """For a persistent hit: the recorded compile time minus the time spent loading."""
+
+
+def executable_components(program: LoweredProgram, program_sha256: str, target: Target) -> dict[str, Any]:
+    return executable_key_components(
+        program_sha256,
+        [_spec_json(s) for s in program.input_specs],
+        [_spec_json(s) for s in program.result_specs],
+        compile_options_fingerprint(compile_options(target)),
+        environment(target),
+    )
+
+
+def load_executable(
+    program: LoweredProgram, program_sha256: str, target: Target, options: Options, name: str
+) -> LoadedExecutable:
+    """The loaded executable of ``program``: from memory, the local directory or the remote, or compiled
+    now (by one process at a time per key) and published."""
+    components = executable_components(program, program_sha256, target)
+    key = cache_key(components)
+    start = time.perf_counter()
+    loaded = _executables.get(key)
+    if loaded is not None:
+        return LoadedExecutable(loaded, key, components, "memory", time.perf_counter() - start, 0.0)
+    cache = persistent_cache(options)
+    found = _load_persistent(cache, key, target) if cache is not None else None
+    if found is None:
+        if options.cache_mode == "strict":
+            raise CacheMissError(_miss_message(name, key, components, cache))
+        claim = cache.claim(key) if cache is not None else nullcontext(True)
+        with claim:
+            loaded = _executables.get(key)
+            if loaded is not None:
+                return LoadedExecutable(loaded, key, components, "memory", time.perf_counter() - start, 0.0)
+            found = _load_persistent(cache, key, target) if cache is not None else None
+            if found is None:
+                return _compile(program, target, name, key, components, cache, start)
+    loaded, entry, tier = found
+    _executables.put(key, loaded)
+    seconds = time.perf_counter() - start
+    saved = max(0.0, entry.compile_seconds - seconds)
+    if cache is not None:
+        cache.record_hit(key, saved)
+    log.debug("%s: executable from the %s cache in %.1f ms (key %s)", name, tier, seconds * 1e3, key[:12])
+    return LoadedExecutable(loaded, key, components, tier, seconds, saved)
+
+
+def _load_persistent(cache: PersistentCache, key: str, target: Target) -> tuple[Any, Entry, str] | None:
+    found = cache.get(key)
+    if found is None:
+        return None
+    entry, tier = found
+    try:
+        loaded = target.client.deserialize_executable(entry.payload, target.device_list(), compile_options(target))
+    except Exception as error:  # verified bytes that XLA refuses: quarantine, recompile
+        cache.quarantine(key, f"XLA cannot deserialize it: {type(error).__name__}: {error}")
+        return None
+    return loaded, entry, tier
+
+
+def _compile(
+    program: LoweredProgram,
+    target: Target,
+    name: str,
+    key: str,
+    components: dict[str, Any],
+    cache: PersistentCache | None,
+    start: float,
+) -> LoadedExecutable:
+    compile_start = time.perf_counter()
+    loaded = compile_module(program.bytecode(), target)
+    compile_seconds = time.perf_counter() - compile_start
+    _executables.put(key, loaded)
+    if cache is not None:
+        cache.record_miss()
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("%s: cache miss %s", name, _nearest_text(cache, components))
+        if cache.writable:
+            try:
+                blob = target.client.serialize_executable(loaded)
+            except Exception as error:
+                log.debug("%s: executable not serialisable, kept in memory only: %s", name, error)
+            else:
+                cache.put(Entry.create(components, blob, {"name": name}, compile_seconds))
+    seconds = time.perf_counter() - start
+    log.debug("%s: compiled in %.1f ms (key %s)", name, compile_seconds * 1e3, key[:12])
+    return LoadedExecutable(loaded, key, components, None, seconds, 0.0)
+
+
+def _nearest_text(cache: PersistentCache, components: Mapping[str, Any]) -> str:
+    nearest = cache.nearest("executable", dict(components))
+    if nearest is None:
+        return "(no entry of this kind in the local cache)"
+    key, differing = nearest
+    return f"(nearest entry {key[:12]} differs in: {', '.join(differing) or 'nothing'})"
+
+
+def _miss_message(name: str, key: str, components: Mapping[str, Any], cache: PersistentCache | None) -> str:
+    where = cache.describe()["dir"] if cache is not None else "no persistent cache"
+    nearest = _nearest_text(cache, components) if cache is not None else ""
+    return (
+        f"{name}: no cached executable for key {key} in {where} {nearest}; cache_mode='strict' forbids "
+        "compiling (warm the cache with `tpucompile warm SCRIPT.py`, or use cache_mode='read-write')"
+    )
+
