@@ -292,3 +292,61 @@ def test_type_promotion():
                 h * i64, b * 1.5, bf + 1, i32 + bf, i32 + True, zero_i64 + zero_f32, b / b.int().clamp(min=1))
 
     assert_compiles_like_eager(fn, i32, i64, den, b, bf, h, f, zero_i64, zero_f32, zero_f64)
+
+
+# --- floating-point bit manipulation ------------------------------------------------------------------------
+
+SUBNORMALS = [1e-40, -3e-42, 1e-45, -1e-45, 1.17e-38, 3.0e38]
+
+
+def _with_subnormals(dtype, *shape):
+    x = floats(torch.float32, *shape)
+    x.view(-1)[len(SPECIALS) : len(SPECIALS) + len(SUBNORMALS)] = torch.tensor(SUBNORMALS)
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+def test_copysign_nextafter_frexp(aten_ops, dtype):
+    """Bit-exact: signs of NaN and -0.0, steps from 0 into the subnormals, subnormal mantissas."""
+    a = _with_subnormals(dtype, 6, 5)
+    b = floats(dtype, 6, 5).flip(0)
+    b.view(-1)[-3:] = a.view(-1)[-3:]  # nextafter(x, x) == x
+
+    def fn(a, b):
+        mantissa, exponent = torch.frexp(a)
+        return torch.copysign(a, b), torch.copysign(a, -1.5), torch.nextafter(a, b), mantissa, exponent
+
+    assert_compiles_like_eager(fn, a, b, atol=0, rtol=0)
+    ops = {torch.ops.aten.copysign.Tensor, torch.ops.aten.copysign.Scalar, torch.ops.aten.nextafter.default,
+           torch.ops.aten.frexp.Tensor}
+    assert ops <= aten_ops
+
+
+def test_copysign_int_promotes_and_grad():
+    assert_compiles_like_eager(torch.copysign, ints(torch.int64, 4, 5), ints(torch.int32, 4, 5))
+    assert_compiles_like_eager(torch.copysign, floats(torch.float32, 4, 5, specials=False),
+                               floats(torch.float32, 4, 5, specials=False), grad=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_hypot_ldexp_angle(aten_ops, dtype):
+    a, b = floats(dtype, 6, 5), floats(dtype, 6, 5).flip(1)
+    big = (torch.randn(6, 5) * 1e30).to(dtype)  # a * a would overflow
+    exponent = ints(torch.int64, 6, 5, low=-30, high=30)
+
+    def fn(a, b, big, exponent):
+        return (torch.hypot(a, b), torch.hypot(big, big.flip(0)), torch.ldexp(a, exponent), torch.ldexp(a, b),
+                torch.angle(a), torch.angle(exponent))
+
+    assert_compiles_like_eager(fn, a, b, big, exponent)
+    ops = {torch.ops.aten.hypot.default, torch.ops.aten.ldexp.Tensor, torch.ops.aten.angle.default}
+    assert ops <= aten_ops
+
+
+def test_hypot_ldexp_angle_frexp_grad():
+    a, b = floats(torch.float32, 4, 5, specials=False), floats(torch.float32, 4, 5, specials=False)
+
+    def fn(a, b):
+        return torch.hypot(a, b), torch.ldexp(a, b.clamp(-3, 3)), torch.angle(a) + a, torch.frexp(b)[0]
+
+    assert_compiles_like_eager(fn, a, b, grad=True)

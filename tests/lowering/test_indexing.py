@@ -470,3 +470,115 @@ def test_masked_fill_rules(dtype):
 def test_masked_fill_compiled(aten_ops):
     x = torch.randn(4, 5)
     assert_compiles_like_eager(lambda x, m: x.masked_fill(m, float("-inf")).softmax(-1), x, torch.rand(4, 5) > 0.3)
+
+
+# --- index_put with a boolean mask --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_index_put_bool_mask(aten_ops, accumulate):
+    """``x[mask] = v`` keeps a static shape: the i-th True row takes row i of ``v``, or the one broadcast row."""
+    mask = torch.tensor([True, False, True, True, False])
+    rows = torch.randn(3, 4)
+    assert_compiles_like_eager(lambda x, m, v: torch.index_put(x, (m,), v, accumulate), torch.randn(5, 4), mask,
+                               rows, grad=True)
+    assert_compiles_like_eager(lambda x, m, v: torch.index_put(x, (m,), v, accumulate), torch.randn(5, 4), mask,
+                               torch.randn(4))
+    assert aten.index_put.default in aten_ops
+
+
+def test_index_put_bool_mask_inner_dims():
+    def put(x, m, v):
+        x = x.clone()
+        x[:, m] = v
+        return x
+
+    mask = torch.rand(3, 4) > 0.5
+    assert_compiles_like_eager(put, torch.randn(2, 3, 4, 2), mask, torch.randn(2, int(mask.sum()), 2))
+    assert_compiles_like_eager(put, torch.randn(2, 3, 4, 2), mask, torch.randn(2))
+
+
+# --- index_reduce, put, masked_scatter, nonzero_static, narrow_copy, unbind_copy ------------------------------
+
+
+@pytest.mark.parametrize("include_self", [True, False])
+def test_index_reduce(aten_ops, include_self):
+    x = torch.randn(4, 3)
+    source = torch.randn(5, 3)
+    source[2, 1] = float("nan")
+    index = torch.tensor([0, 2, 0, 3, 2])  # duplicates; row 1 untouched
+
+    def reduce_all(x, i, s):
+        return tuple(
+            (x.index_reduce(0, i, s, r, include_self=include_self),
+             x.T.index_reduce(1, i, s.T, r, include_self=include_self))
+            for r in ("prod", "mean", "amax", "amin")
+        )
+
+    assert_compiles_like_eager(reduce_all, x, index, source)
+    assert aten.index_reduce.default in aten_ops
+
+
+def test_index_reduce_int_mean_rounds_down_and_grad():
+    x = torch.tensor([[1, -3], [4, 5], [0, 0]])
+    source = torch.tensor([[-4, 7], [2, -2], [5, 5]])
+    index = torch.tensor([0, 0, 2])
+    assert_compiles_like_eager(
+        lambda x, i, s: (x.index_reduce(0, i, s, "mean"), x.index_reduce(0, i, s, "mean", include_self=False)),
+        x, index, source,
+    )
+    assert_compiles_like_eager(lambda x, s: x.index_reduce(0, index, s, "prod"), torch.randn(3, 2),
+                               torch.randn(3, 2), grad=True)
+
+
+@pytest.mark.parametrize("dtype", VALUE_DTYPES)
+def test_put(aten_ops, dtype):
+    def put(x, i, j, s, t):
+        return x.put(i, s), x.put(j, t, accumulate=True)
+
+    x = values((3, 4), dtype)
+    index, accumulated = torch.tensor([[0, -1], [5, 7]]), torch.tensor([0, -1, 5, 0])
+    grad = dtype.is_floating_point
+    assert_compiles_like_eager(put, x, index, accumulated, values((2, 2), dtype), values((4,), dtype), grad=grad)
+    assert aten.put.default in aten_ops
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64, torch.bool])
+def test_masked_scatter(aten_ops, dtype):
+    mask = torch.rand(4, 5) > 0.5
+    x = values((4, 5), dtype) if dtype is not torch.bool else torch.rand(4, 5) > 0.5
+    source = values((6, 5), dtype) if dtype is not torch.bool else torch.rand(6, 5) > 0.5
+    assert_compiles_like_eager(lambda x, m, s: x.masked_scatter(m, s), x, mask, source)
+    assert aten.masked_scatter.default in aten_ops
+
+
+def test_masked_scatter_broadcast_grad(aten_ops):
+    mask = torch.rand(4, 5) > 0.5  # self (1, 5) broadcasts over the mask's rows
+    assert_compiles_like_eager(lambda x, m, s: x.masked_scatter(m, s), torch.randn(1, 5), mask, torch.randn(30),
+                               grad=True)
+    assert aten.masked_scatter_backward.default in aten_ops
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bool])
+def test_nonzero_static(aten_ops, dtype):
+    x = (torch.rand(3, 4) > 0.5).to(dtype)
+    count = int(x.count_nonzero())
+
+    def nonzero(x, scalar):
+        sizes = (0, count - 1, count + 3)
+        return (*(torch.nonzero_static(x, size=n, fill_value=-7) for n in sizes),
+                torch.nonzero_static(scalar, size=2))
+
+    assert_compiles_like_eager(nonzero, x, torch.tensor(1, dtype=dtype))
+    assert aten.nonzero_static.default in aten_ops
+
+
+def test_narrow_copy_and_unbind_copy(aten_ops):
+    x = torch.randn(4, 5, 3)
+    assert_compiles_like_eager(lambda x: (torch.narrow_copy(x, 1, -3, 2), torch.unbind_copy(x, -2)), x, grad=True)
+    assert {aten.narrow_copy.default, aten.unbind_copy.int} <= aten_ops
+
+
+def test_gather_empty_index_of_other_rank():
+    index = torch.zeros(2, 0, dtype=torch.int64)  # torch checks ranks only for non-empty indices
+    assert_compiles_like_eager(lambda x, i: torch.gather(x, 0, i), torch.randn(5), index)

@@ -169,6 +169,165 @@ def test_lu_solve_adjoint_and_right():
     assert_compiles_like_eager(fn, a, torch.randn(4, 3), **TOL)
 
 
+# --- decompositions -------------------------------------------------------------------------------------------
+
+
+def randn(*shape: int, seed: int = 0) -> torch.Tensor:
+    """Fixed draws: singular/eigen vectors are compared with eager's, signs included."""
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def test_svd_family_with_grad(aten_ops):
+    # tall; wide enough that reference LAPACK would LQ-factor first (MKL and we do not); wide, batched.
+    tall, wide, batch = randn(6, 4, seed=1), randn(2, 7, seed=2), randn(2, 3, 4, seed=3)
+
+    def fn(tall, wide, batch):
+        u, s, vh = torch.linalg.svd(tall)
+        return (
+            u, s, vh,
+            torch.linalg.svd(wide, full_matrices=False),
+            torch.linalg.svd(wide).Vh,
+            torch.svd(batch),
+            torch.linalg.svdvals(batch),
+        )
+
+    assert_compiles_like_eager(fn, tall, wide, batch, grad=True, **TOL)
+    assert aten._linalg_svd.default in aten_ops
+
+
+def test_eigh_with_grad(aten_ops):
+    small, large = randn(2, 4, 4, seed=4), randn(27, 27, seed=5)  # ssteqr order; divide-and-conquer order
+
+    def fn(small, large):
+        sym = small + small.mT
+        return (
+            torch.linalg.eigh(sym),
+            torch.linalg.eigh(small, UPLO="U"),
+            torch.linalg.eigvalsh(small),
+            torch.linalg.eigh(large).eigenvectors,
+        )
+
+    assert_compiles_like_eager(fn, small, large, grad=True, **TOL)
+    assert aten._linalg_eigh.default in aten_ops
+
+
+def test_pinv_rank_cond_nuclear_with_grad(aten_ops):
+    a = randn(2, 5, 3, seed=6)
+    singular = randn(4, 2, seed=7) @ randn(2, 4, seed=8)
+
+    def fn(a, singular):
+        return (
+            torch.linalg.pinv(a),
+            torch.linalg.pinv(singular, hermitian=True),
+            torch.linalg.pinv(singular, atol=torch.tensor(0.5, dtype=torch.float64)),
+            torch.linalg.matrix_rank(singular),
+            torch.linalg.cond(a[0].mT @ a[0]),
+            torch.linalg.matrix_norm(a, "nuc"),
+        )
+
+    assert_compiles_like_eager(fn, a, singular, grad=True, **TOL)
+    assert {aten.linalg_pinv.atol_rtol_tensor, aten._linalg_svd.default} <= aten_ops
+
+
+def test_qr_family_with_grad(aten_ops):
+    a, w = randn(5, 3, seed=9), randn(2, 3, 5, seed=10)
+
+    def fn(a, w):
+        q, r = torch.linalg.qr(a)
+        reflectors, tau = torch.geqrf(a)
+        c = w[0].mT
+        return (
+            q, r,
+            torch.linalg.qr(w, mode="complete"),
+            torch.linalg.qr(a, mode="r").R,
+            reflectors, tau,
+            torch.linalg.householder_product(reflectors, tau),
+            torch.ormqr(reflectors, tau, c),
+            torch.ormqr(reflectors, tau, c.mT, left=False, transpose=True),
+        )
+
+    assert_compiles_like_eager(fn, a, w, **TOL)
+    assert_compiles_like_eager(lambda a: torch.linalg.qr(a), a, grad=True, **TOL)
+    assert {aten.linalg_qr.default, aten.geqrf.default, aten.linalg_householder_product.default,
+            aten.ormqr.default} <= aten_ops
+
+
+def test_ldl_factor_and_solve_with_pivoting(aten_ops):
+    indefinite = torch.tensor([[0.0, 2.0, 1.0, 0.5], [2.0, 0.1, 3.0, 1.0], [1.0, 3.0, -1.0, 2.0], [0.5, 1.0, 2.0, 4.0]])
+    sym = randn(2, 5, 5, seed=11)
+    sym = sym + sym.mT
+
+    def fn(indefinite, sym, b):
+        factors = torch.linalg.ldl_factor_ex(torch.stack([indefinite, indefinite.flip(0, 1)]))
+        ld, pivots = torch.linalg.ldl_factor(sym)
+        return factors, ld, pivots, torch.linalg.ldl_solve(ld, pivots, b)
+
+    eager = torch.linalg.ldl_factor(indefinite).pivots
+    assert (eager < 0).any(), "the test matrix must need a 2x2 pivot block"
+    assert_compiles_like_eager(fn, indefinite, sym, randn(5, 2, seed=12), **TOL)
+    assert {aten.linalg_ldl_factor_ex.default, aten.linalg_ldl_solve.default} <= aten_ops
+
+
+def test_matrix_exp_with_grad(aten_ops):
+    assert_compiles_like_eager(torch.linalg.matrix_exp, randn(2, 4, 4, seed=13) / 2, grad=True, **TOL)
+    assert aten.linalg_matrix_exp.default in aten_ops
+
+
+def test_decompositions_of_matrices_without_entries():
+    def fn(rows, cols, batch, square):
+        return (
+            torch.linalg.svd(rows),  # a complete Vh of a matrix without rows is the identity
+            torch.linalg.svd(cols),  # and so is a complete U of one without columns
+            torch.svd(batch, some=False),
+            torch.linalg.qr(cols, mode="complete"),
+            torch.linalg.eigh(square),
+            torch.linalg.solve(square, rows),
+            torch.linalg.cholesky_ex(square),
+            torch.linalg.ldl_factor_ex(square),
+            torch.linalg.pinv(batch),
+        )
+
+    assert_compiles_like_eager(fn, torch.zeros(0, 3), torch.zeros(3, 0), torch.zeros(2, 0, 3), torch.zeros(0, 0))
+
+
+# --- products and distances ----------------------------------------------------------------------------------
+
+
+def test_distances_with_grad(aten_ops):
+    x1, x2 = randn(2, 4, 3, seed=14), randn(5, 3, seed=15)
+
+    def fn(x1, x2):
+        return (
+            torch.cdist(x1, x2),
+            torch.cdist(x1, x2, p=1),
+            torch.cdist(x1, x2, p=0.5),
+            torch.cdist(x1, x2, p=3),
+            torch.cdist(x1, x2, p=float("inf")),
+            torch.cdist(x1, x2, compute_mode="use_mm_for_euclid_dist"),
+            torch.nn.functional.pdist(x2),
+            torch.nn.functional.pdist(x2, p=1.5),
+            torch.dist(x1, x2[:4]),
+            torch.dist(x1[0], x2[1:], p=3),
+        )
+
+    assert_compiles_like_eager(fn, x1, x2, grad=True, **TOL)
+    assert {aten._cdist_forward.default, aten._cdist_backward.default, aten._pdist_forward.default,
+            aten._pdist_backward.default} <= aten_ops
+
+
+def test_addbmm_and_bilinear_with_grad(aten_ops):
+    def fn(bias, b1, b2, x1, x2, weight, wbias):
+        return (
+            torch.addbmm(bias, b1, b2, beta=0.5, alpha=2),
+            torch.nn.functional.bilinear(x1, x2, weight, wbias),
+        )
+
+    inputs = (randn(3, 4, seed=16), randn(2, 3, 5, seed=17), randn(2, 5, 4, seed=18), randn(6, 3, seed=19),
+              randn(6, 2, seed=20), randn(4, 3, 2, seed=21), randn(4, seed=22))
+    assert_compiles_like_eager(fn, *inputs, grad=True, **TOL)
+    assert {aten.addbmm.default, aten._trilinear.default} <= aten_ops
+
+
 # --- the bridge itself ---------------------------------------------------------------------------------------
 
 

@@ -13,7 +13,8 @@ and the results compared. Outcomes:
 * ``no-graph``    — Dynamo captured nothing for tpucompile to compile (e.g. the op is a no-op);
 * ``random``      — the op is random: eager itself differs between two seeds (tested statistically elsewhere).
 
-Samples on which eager PyTorch itself raises are skipped.
+Samples on which eager PyTorch itself raises are skipped. Ops whose result is uninitialised memory
+(``UNDEFINED_VALUES``) are compared on structure, shape and dtype only, and never counted as random.
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ import dataclasses
 import json
 import logging
 import os
+import subprocess
 import sys
+import tempfile
 import time
 import warnings
 from collections.abc import Iterable, Iterator
@@ -47,6 +50,18 @@ DTYPES = {
     "int64": torch.int64,
     "bool": torch.bool,
 }
+
+UNDEFINED_VALUES = frozenset({
+    "empty",
+    "new_empty",
+    "empty_like",
+    "empty_strided",
+    "new_empty_strided",
+    "empty_permuted",
+})
+"""OpInfos whose eager result holds uninitialised memory: only the layout (structure, shapes, dtypes) of their
+results is defined, so that is all the sweep compares. Their values differ from call to call, which must not
+make them count as random ops either."""
 
 _TOLERANCES = {
     torch.float32: (1.3e-5, 1e-5),
@@ -109,6 +124,21 @@ def _close(actual: Any, expected: Any, rtol: float, atol: float) -> str | None:
     return None
 
 
+def _same_layout(actual: Any, expected: Any) -> str | None:
+    """None when ``actual`` has the structure, shapes and dtypes of ``expected``, else a short reason."""
+    flat_a, spec_a = pytree.tree_flatten(actual)
+    flat_e, spec_e = pytree.tree_flatten(expected)
+    if spec_a != spec_e:
+        return f"structure {spec_a} != {spec_e}"
+    for a, e in zip(flat_a, flat_e, strict=True):
+        if isinstance(e, torch.Tensor):
+            if not isinstance(a, torch.Tensor):
+                return f"expected a tensor, got {type(a).__name__}"
+            if a.shape != e.shape or a.dtype != e.dtype:
+                return f"layout {a.dtype}{list(a.shape)} != {e.dtype}{list(e.shape)}"
+    return None
+
+
 def _to_float32(value: Any) -> Any:
     return pytree.tree_map(
         lambda t: t.float() if isinstance(t, torch.Tensor) and t.dtype in (torch.bfloat16, torch.float16) else t,
@@ -155,8 +185,9 @@ def run_sample(opinfo: Any, dtype: torch.dtype, sample: Any) -> tuple[str, str]:
         expected = _call(opinfo, sample)
     except Exception:
         return "skip", "eager raised"
+    undefined = opinfo.name in UNDEFINED_VALUES
     try:
-        if _is_random(opinfo, sample):
+        if not undefined and _is_random(opinfo, sample):
             return "random", ""
     except Exception:
         return "skip", "eager raised"
@@ -170,6 +201,9 @@ def run_sample(opinfo: Any, dtype: torch.dtype, sample: Any) -> tuple[str, str]:
         return _classify_error(error)
     if driver.graphs_compiled() == before:
         return "no-graph", ""
+    if undefined:
+        reason = _same_layout(actual, expected)
+        return ("pass", "") if reason is None else ("mismatch", reason)
     rtol, atol = _tolerance(opinfo, dtype)
     reason = _close(actual, expected, rtol, atol)
     if reason is not None and dtype in (torch.bfloat16, torch.float16):
@@ -275,32 +309,83 @@ def write_markdown(results: list[SampleResult], path: str, command: str) -> None
         out.write("\n".join(lines) + "\n")
 
 
+def _run_in_processes(argv: list[str], jobs: int) -> list[SampleResult]:
+    """Run the same sweep as ``jobs`` processes over disjoint shards of the OpInfos, and merge their results."""
+    with tempfile.TemporaryDirectory() as folder:
+        children = []
+        for shard in range(jobs):
+            out = os.path.join(folder, f"shard{shard}.json")
+            command = [sys.executable, os.path.abspath(__file__), *argv, "--jobs", "1",
+                       "--shard", f"{shard}/{jobs}", "--json", out, "--quiet"]
+            children.append((subprocess.Popen(command), out))
+        results = []
+        for child, out in children:
+            if child.wait() != 0:
+                raise SystemExit(f"a sweep shard failed with exit code {child.returncode}")
+            results += _read_json(out)
+    return results
+
+
+def _read_json(path: str) -> list[SampleResult]:
+    with open(path) as source:
+        return [SampleResult(**record) for record in json.load(source)]
+
+
+def _without(argv: list[str], options: tuple[str, ...]) -> list[str]:
+    """``argv`` without the given single-value options (so shards get their own)."""
+    kept, skip = [], False
+    for item in argv:
+        if skip:
+            skip = False
+        elif item in options:
+            skip = True
+        elif not any(item.startswith(o + "=") for o in options):
+            kept.append(item)
+    return kept
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(description="OpInfo sweep through backend='tpucompile'")
     parser.add_argument("--dtypes", nargs="+", default=["float32"], choices=list(DTYPES))
     parser.add_argument("--ops", nargs="*", help="OpInfo names (name or name.variant) to run; default all")
     parser.add_argument("--max-samples", type=int, default=None, help="samples per op and dtype")
     parser.add_argument("--json", help="write every sample's outcome here")
     parser.add_argument("--markdown", help="write the coverage report here (docs/coverage.md)")
+    parser.add_argument("--jobs", type=int, default=1, help="processes to spread the OpInfos over")
+    parser.add_argument("--shard", help="K/N: run only the OpInfos whose index is K modulo N")
+    parser.add_argument("--merge", nargs="+", help="report on these --json files instead of running a sweep")
     parser.add_argument("--progress", action="store_true")
+    parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
     logging.getLogger("torch").setLevel(logging.ERROR)
-    opinfos = load_op_db()
-    if args.ops:
-        wanted = set(args.ops)
-        opinfos = [o for o in opinfos if o.name in wanted or op_id(o) in wanted]
-    results = sweep(opinfos, [DTYPES[d] for d in args.dtypes], args.max_samples, args.progress)
+    # Thousands of one-op graphs: keep them out of the user's persistent compile cache.
+    os.environ.setdefault("TPUCOMPILE_CACHE_MODE", "off")
+    if args.merge:
+        results = [r for path in args.merge for r in _read_json(path)]
+    elif args.jobs > 1:
+        results = _run_in_processes(_without(argv, ("--jobs", "--json", "--markdown")), args.jobs)
+    else:
+        opinfos = load_op_db()
+        if args.ops:
+            wanted = set(args.ops)
+            opinfos = [o for o in opinfos if o.name in wanted or op_id(o) in wanted]
+        if args.shard:
+            index, count = (int(part) for part in args.shard.split("/"))
+            opinfos = opinfos[index::count]
+        results = sweep(opinfos, [DTYPES[d] for d in args.dtypes], args.max_samples, args.progress)
     summary = summarize(results)
-    for dtype, counter in summary["totals"].items():
-        print(f"{dtype}: " + ", ".join(f"{o} {counter[o]}" for o in OUTCOMES)
-              + f"; pass rate {100 * pass_rate(counter):.1f}%")
+    if not args.quiet:
+        for dtype, counter in summary["totals"].items():
+            print(f"{dtype}: " + ", ".join(f"{o} {counter[o]}" for o in OUTCOMES)
+                  + f"; pass rate {100 * pass_rate(counter):.1f}%")
     if args.json:
         with open(args.json, "w") as out:
             json.dump([dataclasses.asdict(r) for r in results], out, indent=0)
     if args.markdown:
-        command = "python tests/opinfo/sweep.py " + " ".join(argv if argv is not None else sys.argv[1:])
-        write_markdown(results, args.markdown, command.strip())
+        command = "python tests/opinfo/sweep.py " + " ".join(_without(argv, ("--markdown",)))
+        write_markdown(results, args.markdown, command.strip() + " --markdown " + args.markdown)
     return 0
 
 

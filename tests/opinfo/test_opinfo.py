@@ -2,7 +2,8 @@
 
 CI runs the first samples of every OpInfo (``floor.json`` says how many); the full sweep over every sample
 and dtype is ``python tests/opinfo/sweep.py --dtypes float32 bfloat16 int64 bool --markdown docs/coverage.md``.
-Regenerate the floor after adding lowerings with ``python tests/opinfo/test_opinfo.py --write-floor``.
+Regenerate the floor after adding lowerings with ``python tests/opinfo/test_opinfo.py --write-floor``
+(or ``--write-floor --from-json RESULTS.json`` to take it from a sweep's ``--json`` output).
 """
 
 from __future__ import annotations
@@ -42,8 +43,14 @@ def test_opinfo_float32_floor():
     assert len(passing) >= floor["min_pass"], (len(passing), floor["min_pass"])
 
 
-def write_floor(max_samples: int = 2) -> None:
-    results = _run(max_samples)
+def write_floor(max_samples: int = 2, from_json: str | None = None) -> None:
+    """Record the floor from a fresh run, or from a sweep's ``--json`` output (its first samples per op)."""
+    if from_json:
+        with open(from_json) as source:
+            results = [sweep.SampleResult(**r) for r in json.load(source)]
+        results = [r for r in results if r.dtype == "float32" and r.index < max_samples]
+    else:
+        results = _run(max_samples)
     passing = sorted(_passing(results))
     counter = sweep.summarize(results)["totals"]["float32"]
     with open(FLOOR, "w") as out:
@@ -55,4 +62,5 @@ def write_floor(max_samples: int = 2) -> None:
 
 if __name__ == "__main__":
     if "--write-floor" in sys.argv:
-        write_floor()
+        source = sys.argv[sys.argv.index("--from-json") + 1] if "--from-json" in sys.argv else None
+        write_floor(from_json=source)

@@ -1,13 +1,17 @@
 """Lowering rules, one module per op family. Importing this package registers them all."""
 
 from tpucompile.lowering.rules import (  # noqa: F401
+    batch_norm,
     conversions,
     convolution,
     creation,
     elementwise,
     embedding_bag,
+    grid_sample,
     indexing,
     linalg,
+    linalg_decompositions,
+    losses,
     matmul,
     normalization,
     pooling,
@@ -15,7 +19,9 @@ from tpucompile.lowering.rules import (  # noqa: F401
     reductions,
     resampling,
     scans,
+    search,
     sorting,
+    special,
     unary,
     views,
 )

@@ -7,12 +7,15 @@ division, ``alpha`` scaling).
 
 from __future__ import annotations
 
+import math
+
 import torch
 from jax.extend.mlir.dialects import stablehlo as hlo
 
 from tpucompile.lowering import builder
 from tpucompile.lowering.registry import PromotionKind as K
 from tpucompile.lowering.registry import register_lowering
+from tpucompile.lowering.types import tensor_type
 
 aten = torch.ops.aten
 
@@ -265,3 +268,144 @@ def _bitwise_xor(ctx, a, b):
 @register_lowering(aten.bitwise_not.default, promote=K.DEFAULT)
 def _bitwise_not(ctx, a):
     return hlo.not_(a)
+
+
+# --- floating-point bit manipulation: copysign, nextafter, frexp, ldexp, hypot, angle --------------------------
+
+_SAME_WIDTH_INT = {
+    torch.float64: torch.int64,
+    torch.float32: torch.int32,
+    torch.bfloat16: torch.int16,
+    torch.float16: torch.int16,
+}
+_MANTISSA_BITS = {torch.float64: 52, torch.float32: 23, torch.bfloat16: 7, torch.float16: 10}
+
+
+def _bitcast(value, dtype):
+    return hlo.bitcast_convert(tensor_type(builder.shape_of(value), dtype), value)
+
+
+def _int_constant(value, like):
+    return builder.constant(value, builder.dtype_of(like), builder.shape_of(like))
+
+
+@register_lowering(aten.copysign.Tensor, aten.copysign.Scalar, promote=K.INT_TO_FLOAT)
+def _copysign(ctx, a, b):
+    """The magnitude of ``a`` with the sign bit of ``b`` (NaN and -0.0 included), as C's ``copysign``."""
+    dtype = builder.dtype_of(a)
+    bits = _SAME_WIDTH_INT[dtype]
+    a_bits, b_bits = _bitcast(a, bits), _bitcast(b, bits)
+    sign = _int_constant(torch.iinfo(bits).min, a_bits)
+    magnitude = _int_constant(torch.iinfo(bits).max, a_bits)
+    return _bitcast(hlo.or_(hlo.and_(a_bits, magnitude), hlo.and_(b_bits, sign)), dtype)
+
+
+def _ordered(bits):
+    """Map float bit patterns to integers ordered as the floats are (-0.0 just below +0.0); an involution."""
+    width = torch.iinfo(builder.dtype_of(bits)).bits
+    negative = hlo.shift_right_arithmetic(bits, _int_constant(width - 1, bits))
+    return hlo.xor(bits, hlo.and_(negative, _int_constant(torch.iinfo(builder.dtype_of(bits)).max, bits)))
+
+
+def _is_nan_bits(bits, dtype):
+    """NaN test on the bit pattern (float compares may treat subnormals as zero on some backends)."""
+    magnitude = hlo.and_(bits, _int_constant(torch.iinfo(builder.dtype_of(bits)).max, bits))
+    infinity = _bitcast(builder.constant(float("inf"), dtype, builder.shape_of(bits)), builder.dtype_of(bits))
+    return builder.compare(magnitude, infinity, "GT")
+
+
+def _is_zero_bits(bits):
+    magnitude = hlo.and_(bits, _int_constant(torch.iinfo(builder.dtype_of(bits)).max, bits))
+    return builder.compare(magnitude, _int_constant(0, bits), "EQ")
+
+
+@register_lowering(aten.nextafter.default, promote=K.NO_OPMATH)
+def _nextafter(ctx, a, b):
+    """The float after ``a`` toward ``b`` (in the operands' own precision): one step of the bit pattern in
+    float order. Tests and selects all work on the bits: XLA's CPU backend runs with subnormals flushed to zero,
+    and LLVM turns a bit test of a float feeding a float select back into a float compare, which would then
+    see subnormals as zero."""
+    dtype = builder.dtype_of(a)
+    bits = _SAME_WIDTH_INT[dtype]
+    a_bits, b_bits = _bitcast(a, bits), _bitcast(b, bits)
+    key_a, key_b = _ordered(a_bits), _ordered(b_bits)
+    one = _int_constant(1, a_bits)
+    stepped = _ordered(builder.select(builder.compare(key_a, key_b, "LT"), hlo.add(key_a, one),
+                                      hlo.subtract(key_a, one)))
+    zero_a = _is_zero_bits(a_bits)
+    smallest = hlo.or_(hlo.and_(b_bits, _int_constant(torch.iinfo(bits).min, b_bits)), one)  # toward b from ±0
+    result = builder.select(zero_a, smallest, stepped)
+    equal = hlo.or_(builder.compare(a_bits, b_bits, "EQ"), hlo.and_(zero_a, _is_zero_bits(b_bits)))
+    result = builder.select(equal, b_bits, result)
+    either_nan = hlo.or_(_is_nan_bits(a_bits, dtype), _is_nan_bits(b_bits, dtype))
+    nan = _bitcast(builder.constant(float("nan"), dtype, builder.shape_of(a)), bits)
+    return _bitcast(builder.select(either_nan, nan, result), dtype)
+
+
+@register_lowering(aten.frexp.Tensor)
+def _frexp(ctx, x):
+    """Mantissa in [0.5, 1) and int32 exponent with ``x == mantissa * 2**exponent``, read off the bits
+    (subnormals normalised with a leading-zero count); 0, inf and NaN give themselves and exponent 0. As in
+    ``nextafter``, every select is on the bits, never on floats, so that subnormals survive."""
+    dtype = builder.dtype_of(x)
+    work = torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype  # exact widening
+    value = builder.convert(x, work)
+    bits_dtype = _SAME_WIDTH_INT[work]
+    width = torch.iinfo(bits_dtype).bits
+    mantissa_bits = _MANTISSA_BITS[work]
+    bias_less_one = (1 << (width - mantissa_bits - 2)) - 2  # 126 for float32
+    bits = _bitcast(value, bits_dtype)
+    shift = _int_constant(mantissa_bits, bits)
+    exponent_mask = _int_constant(((1 << (width - 1 - mantissa_bits)) - 1) << mantissa_bits, bits)
+    fraction_mask = _int_constant((1 << mantissa_bits) - 1, bits)
+    sign = hlo.and_(bits, _int_constant(torch.iinfo(bits_dtype).min, bits))
+    field = hlo.shift_right_logical(hlo.and_(bits, exponent_mask), shift)
+    fraction = hlo.and_(bits, fraction_mask)
+    # Subnormals: move the leading 1 of the fraction up to the implicit-bit position.
+    lead = hlo.subtract(hlo.count_leading_zeros(fraction), _int_constant(width - 1 - mantissa_bits, bits))
+    normalised = hlo.and_(hlo.shift_left(fraction, lead), fraction_mask)
+    subnormal = builder.compare(field, _int_constant(0, field), "EQ")
+    fraction = builder.select(subnormal, normalised, fraction)
+    exponent = builder.select(
+        subnormal,
+        hlo.subtract(_int_constant(1 - bias_less_one, lead), lead),
+        hlo.subtract(field, _int_constant(bias_less_one, field)),
+    )
+    mantissa_field = _int_constant(bias_less_one << mantissa_bits, bits)
+    mantissa = hlo.or_(hlo.or_(sign, mantissa_field), fraction)
+    all_ones = builder.compare(field, hlo.shift_right_logical(exponent_mask, shift), "EQ")  # inf and NaN
+    special = hlo.or_(_is_zero_bits(bits), all_ones)
+    mantissa = _bitcast(builder.select(special, bits, mantissa), work)
+    exponent = builder.select(special, _int_constant(0, exponent), exponent)
+    return builder.convert(mantissa, dtype), builder.convert(exponent, torch.int32)
+
+
+@register_lowering(aten.ldexp.Tensor, promote=K.INT_TO_FLOAT)
+def _ldexp(ctx, a, b):
+    """``a * 2 ** b``, as eager computes it (``mul(self, pow(2, other))``)."""
+    two = builder.constant(2, builder.dtype_of(b), builder.shape_of(b))
+    return hlo.multiply(a, hlo.power(two, b))
+
+
+@register_lowering(aten.hypot.default, promote=K.DEFAULT)
+def _hypot(ctx, a, b):
+    """``sqrt(a² + b²)`` without overflow: ``big * sqrt(1 + (small / big)²)``; inf if either is infinite."""
+    dtype, shape = builder.dtype_of(a), builder.shape_of(a)
+    a, b = hlo.abs(a), hlo.abs(b)
+    big, small = hlo.maximum(a, b), hlo.minimum(a, b)
+    zero, one = builder.constant(0, dtype, shape), builder.constant(1, dtype, shape)
+    inf = builder.constant(float("inf"), dtype, shape)
+    ratio = hlo.divide(small, big)
+    result = hlo.multiply(big, hlo.sqrt(hlo.add(one, hlo.multiply(ratio, ratio))))
+    result = builder.select(builder.compare(big, zero, "EQ"), zero, result)
+    infinite = hlo.or_(builder.compare(a, inf, "EQ"), builder.compare(b, inf, "EQ"))
+    return builder.select(infinite, inf, result)
+
+
+@register_lowering(aten.angle.default, promote=K.INT_TO_FLOAT)
+def _angle(ctx, x):
+    """The argument of a real number: pi for negative values, 0 otherwise, NaN for NaN."""
+    dtype, shape = builder.dtype_of(x), builder.shape_of(x)
+    zero = builder.constant(0, dtype, shape)
+    angle = builder.select(builder.compare(x, zero, "LT"), builder.constant(math.pi, dtype, shape), zero)
+    return builder.select(builder.is_nan(x), x, angle)

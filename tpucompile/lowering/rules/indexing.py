@@ -2,7 +2,10 @@
 
 Everything lowers to ``stablehlo.gather`` / ``stablehlo.scatter`` (or a pad and a select) on static shapes.
 Indices are wrapped (``i + size`` where ``i < 0``) because PyTorch accepts negative indices and XLA does not;
-out-of-range indices stay undefined, as in XLA. Boolean mask indices give data-dependent shapes and are refused.
+out-of-range indices stay undefined, as in XLA. A boolean mask index usually gives a data-dependent shape and is
+refused; two uses keep static shapes and are lowered with a prefix sum of the mask (each True position's rank
+among the True ones): ``x[mask] = v`` (``index_put``) and ``x[mask]`` where the graph already knows the count
+(the backward of such an ``index_put``). ``masked_scatter`` and ``nonzero_static`` work the same way.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from jax.extend.mlir.dialects import stablehlo as hlo
 from tpucompile.errors import UnsupportedOpError
 from tpucompile.lowering import builder
 from tpucompile.lowering.registry import register_lowering
+from tpucompile.lowering.rules.scans import scan
 
 aten = torch.ops.aten
 Value = ir.Value
@@ -179,6 +183,11 @@ def _pointwise_gather(x: Value, dim: int, index: Value) -> Value:
     return hlo.gather(x, starts, numbers, [1] * rank)
 
 
+def take_along(x: Value, dim: int, index: Value) -> Value:
+    """``torch.gather(x, dim, index)`` (``index`` int32/int64, no negative entries) for rank >= 1 operands."""
+    return _pointwise_gather(x, dim, index)
+
+
 def _pointwise_scatter(x: Value, dim: int, index: Value, src: Value, combiner: Combiner) -> Value:
     """``torch.scatter``-style update of ``x`` on operands of rank >= 1; only ``src[:index.shape]`` is used."""
     rank = builder.rank_of(x)
@@ -209,12 +218,90 @@ def _scalar_or_tensor(value: Value | bool | int | float, dtype: torch.dtype, sha
 
 @register_lowering(aten.index.Tensor, aten._unsafe_index.Tensor)
 def _index(ctx, x, indices):
+    masked = _single_mask(indices)
+    if masked is not None:
+        return _masked_take(x, masked[0], masked[1], ctx.aval_out.shape)
     return _take(x, indices)
+
+
+def _masked_take(x: Value, position: int, mask: Value, out_shape: Sequence[int]) -> Value:
+    """``x[..., mask, ...]`` when the graph knows how many elements the mask selects (the backward of a masked
+    ``index_put`` does): row i of the result is the i-th True position, found by scattering each True
+    position to its rank among the True ones."""
+    shape = builder.shape_of(x)
+    mask = builder.convert(mask, torch.bool)
+    mask_shape = builder.shape_of(mask)
+    k = len(mask_shape)
+    size = _numel(mask_shape)
+    count = out_shape[position]
+    flat_mask = builder.reshape(mask, (size,))
+    slot = builder.select(flat_mask, _rank_among_true(flat_mask), builder.constant(count, torch.int64, (size,)))
+    where = _put(builder.constant(0, torch.int64, (count + 1,)), [slot], builder.iota((size,), torch.int64, 0),
+                 _replace)
+    where = builder.slice_static(where, [0], [count], [1])
+    flat = builder.reshape(x, (*shape[:position], size, *shape[position + k :]))
+    return builder.reshape(_take(flat, [None] * position + [where]), out_shape)
 
 
 @register_lowering(aten.index_put.default, aten._unsafe_index_put.default)
 def _index_put(ctx, x, indices, values, accumulate=False):
-    return _put(x, indices, values, _add if accumulate else _replace)
+    combiner = _add if accumulate else _replace
+    masked = _single_mask(indices)
+    if masked is not None:
+        return _masked_put(x, masked[0], masked[1], values, combiner)
+    return _put(x, indices, values, combiner)
+
+
+def _single_mask(indices: Sequence[Value | None]) -> tuple[int, Value] | None:
+    """``(position, mask)`` when the only index tensor is a boolean (or uint8) mask, else None."""
+    present = [(d, index) for d, index in enumerate(indices) if index is not None]
+    if len(present) != 1 or builder.dtype_of(present[0][1]) not in (torch.bool, torch.uint8):
+        return None
+    return present[0]
+
+
+def _masked_put(x: Value, position: int, mask: Value, values: Value, combiner: Combiner) -> Value:
+    """``x[..., mask, ...] = values`` with a static result: ``x[mask]`` lists the masked positions in
+    row-major order, so the i-th True position takes row i of ``values`` (row = a prefix sum of the mask)
+    when ``values`` has one row per True position, or the one broadcast row otherwise."""
+    shape, dtype = builder.shape_of(x), builder.dtype_of(x)
+    mask = builder.convert(mask, torch.bool)
+    mask_shape = builder.shape_of(mask)
+    k = len(mask_shape)
+    before, after = shape[:position], shape[position + k :]
+    values = builder.convert(values, dtype)
+    rank = len(before) + 1 + len(after)
+    values = builder.reshape(values, (1,) * (rank - builder.rank_of(values)) + builder.shape_of(values))
+    value_shape = builder.shape_of(values)
+    rows = value_shape[position]
+    if rows == 1:
+        values = builder.reshape(values, value_shape[:position] + value_shape[position + 1 :])
+        kept = [*range(position), *range(position + k, len(shape))]
+        full = builder.broadcast_in_dims(values, shape, kept) if kept else builder.broadcast_to(values, shape)
+    else:
+        flat_mask = builder.reshape(mask, (_numel(mask_shape),))
+        source = _clamped_rank(flat_mask, rows)
+        values = builder.broadcast_to(values, (*before, rows, *after))
+        taken = _take(values, [None] * position + [source])
+        full = builder.reshape(taken, shape)
+    mask = builder.broadcast_in_dims(mask, shape, list(range(position, position + k)))
+    return builder.select(mask, combiner(x, full), x)
+
+
+def _rank_among_true(mask: Value) -> Value:
+    """For a 1-d bool ``mask``: how many True entries come before each position (int64)."""
+    ones = builder.convert(mask, torch.int64)
+    zero = builder.constant(0, torch.int64)
+    (inclusive,) = scan([ones], [zero], 0, lambda acc, el: [hlo.add(acc[0], el[0])])
+    return hlo.subtract(inclusive, ones)
+
+
+def _clamped_rank(mask: Value, count: int) -> Value:
+    """``_rank_among_true`` clamped into ``[0, count)``, for gathers whose False lanes are discarded."""
+    rank = _rank_among_true(mask)
+    shape = builder.shape_of(rank)
+    low, high = builder.constant(0, torch.int64, shape), builder.constant(max(count - 1, 0), torch.int64, shape)
+    return hlo.clamp(low, rank, high)
 
 
 @register_lowering(aten.index_select.default)
@@ -269,6 +356,8 @@ def _index_fill(ctx, x, dim, index, value):
 
 @register_lowering(aten.gather.default)
 def _gather(ctx, x, dim, index, sparse_grad=False):
+    if _numel(ctx.aval_out.shape) == 0:  # an empty index may have any rank (torch only checks non-empty ones)
+        return builder.constant(0, ctx.aval_out.dtype, ctx.aval_out.shape)
     x, index = _at_least_1d(x), _at_least_1d(index)
     dim %= builder.rank_of(x)
     return builder.reshape(_pointwise_gather(x, dim, index), ctx.aval_out.shape)
@@ -403,3 +492,126 @@ def _masked_fill(ctx, x, mask, value):
     mask = builder.broadcast_to(builder.convert(mask, torch.bool), shape)
     fill = _scalar_or_tensor(value, dtype, shape)
     return builder.select(mask, fill, builder.broadcast_to(builder.convert(x, dtype), shape))
+
+
+# --- index_reduce, put, masked_scatter, nonzero_static, narrow_copy, unbind_copy ------------------------------
+
+
+@register_lowering(aten.index_reduce.default)
+def _index_reduce(ctx, x, dim, index, source, reduce, include_self=True):
+    """``index_reduce``: like ``scatter_reduce`` but on whole slices along ``dim``. Without ``include_self`` the
+    targeted slices start from the reduction's identity; ``mean`` divides by how many values landed."""
+    dtype = builder.dtype_of(x)
+    identities = {"prod": 1, "mean": 0, "amax": builder.min_value(dtype), "amin": builder.max_value(dtype)}
+    combiners = {"prod": _multiply, "mean": _add, "amax": _maximum, "amin": _minimum}
+    if reduce not in combiners:
+        raise UnsupportedOpError(f"index_reduce with reduce={reduce!r} is not supported")
+    x = _at_least_1d(x)
+    shape = builder.shape_of(x)
+    dim %= len(shape)
+    count = _numel(builder.shape_of(index))
+    index = builder.reshape(index, (count,))
+    updates_shape = (*shape[:dim], count, *shape[dim + 1 :])
+    source = builder.reshape(builder.convert(source, dtype), updates_shape)
+    where = [None] * dim + [index]
+    base = x
+    if not include_self:
+        hit = _put(builder.constant(False, torch.bool, shape), where, builder.constant(True, torch.bool, updates_shape),
+                   _replace)
+        base = builder.select(hit, builder.constant(identities[reduce], dtype, shape), x)
+    out = _put(base, where, source, combiners[reduce])
+    if reduce == "mean":
+        counts = _put(builder.constant(1 if include_self else 0, dtype, shape), where,
+                      builder.constant(1, dtype, updates_shape), _add)
+        zero = builder.constant(0, dtype, shape)
+        counts = builder.select(builder.compare(counts, zero, "EQ"), builder.constant(1, dtype, shape), counts)
+        out = _divide_by_positive(out, counts)
+    return builder.reshape(out, ctx.aval_out.shape)
+
+
+@register_lowering(aten.put.default)
+def _put_flat(ctx, x, index, source, accumulate=False):
+    """``Tensor.put``: ``x`` seen as a flat vector, updated at ``index`` (negative indices wrap)."""
+    shape = builder.shape_of(x)
+    size = _numel(shape)
+    count = _numel(builder.shape_of(index))
+    flat = builder.reshape(x, (size,))
+    index = builder.reshape(index, (count,))
+    source = builder.reshape(source, (count,))
+    out = _put(flat, [index], source, _add if accumulate else _replace)
+    return builder.reshape(out, shape)
+
+
+@register_lowering(aten.masked_scatter.default)
+def _masked_scatter(ctx, x, mask, source):
+    """Each True position of ``mask`` (row-major) takes the next element of ``source``: the element whose
+    index is the number of True positions before it (a prefix sum), gathered from the flattened source."""
+    shape, dtype = ctx.aval_out.shape, ctx.aval_out.dtype
+    size = _numel(shape)
+    x = builder.reshape(builder.broadcast_to(builder.convert(x, dtype), shape), (size,))
+    mask = builder.reshape(builder.broadcast_to(builder.convert(mask, torch.bool), shape), (size,))
+    available = _numel(builder.shape_of(source))
+    if available == 0 or size == 0:
+        return builder.reshape(x, shape)
+    source = builder.reshape(builder.convert(source, dtype), (available,))
+    taken = _take(source, [_clamped_rank(mask, available)])
+    return builder.reshape(builder.select(mask, taken, x), shape)
+
+
+@register_lowering(aten.masked_scatter_backward.default)
+def _masked_scatter_backward(ctx, grad, mask, sizes):
+    """The gradient of ``masked_scatter``'s source: the gradient at the i-th True position goes to source
+    element i, the rest of the source gets zeros. Lanes that are False go to a spare slot, then dropped."""
+    shape = builder.shape_of(grad)
+    dtype = builder.dtype_of(grad)
+    size = _numel(shape)
+    available = _numel(ctx.aval_out.shape)
+    grad = builder.reshape(grad, (size,))
+    mask = builder.reshape(builder.broadcast_to(builder.convert(mask, torch.bool), shape), (size,))
+    target = builder.select(mask, _rank_among_true(mask), builder.constant(available, torch.int64, (size,)))
+    spare = _put(builder.constant(0, dtype, (available + 1,)), [target], grad, _replace)
+    out = builder.slice_static(spare, [0], [available], [1])
+    return builder.reshape(out, ctx.aval_out.shape)
+
+
+@register_lowering(aten.nonzero_static.default)
+def _nonzero_static(ctx, x, *, size, fill_value=-1):
+    """The coordinates of the first ``size`` nonzero elements (row-major), rows past the count filled with
+    ``fill_value``: row ``rank among nonzeros`` of the result takes each nonzero element's coordinates."""
+    shape = builder.shape_of(x)
+    rank = len(shape)
+    out_shape = ctx.aval_out.shape
+    numel = _numel(shape)
+    if rank == 0 or numel == 0 or size == 0:  # no coordinates to write (a 0-d input has rows of width 0)
+        return builder.constant(fill_value, torch.int64, out_shape)
+    flat = builder.reshape(builder.convert(x, torch.bool), (numel,))
+    rows = _rank_among_true(flat)
+    in_range = hlo.and_(flat, builder.compare(rows, builder.constant(size, torch.int64, (numel,)), "LT"))
+    rows = builder.select(in_range, rows, builder.constant(size, torch.int64, (numel,)))
+    columns = [builder.reshape(builder.iota(shape, torch.int64, d), (numel, 1)) for d in range(rank)]
+    coordinates = builder.concatenate(columns, 1)
+    spare = _put(builder.constant(fill_value, torch.int64, (size + 1, rank)), [rows], coordinates, _replace)
+    return builder.slice_static(spare, [0, 0], [size, rank], [1, 1])
+
+
+@register_lowering(aten.narrow_copy.default)
+def _narrow_copy(ctx, x, dim, start, length):
+    shape = builder.shape_of(x)
+    dim %= len(shape)
+    start = start + shape[dim] if start < 0 else start
+    starts, limits = [0] * len(shape), list(shape)
+    starts[dim], limits[dim] = start, start + length
+    return builder.slice_static(x, starts, limits, [1] * len(shape))
+
+
+@register_lowering(aten.unbind_copy.int)
+def _unbind_copy(ctx, x, dim=0):
+    shape = builder.shape_of(x)
+    dim %= len(shape)
+    pieces = []
+    for i in range(shape[dim]):
+        starts, limits = [0] * len(shape), list(shape)
+        starts[dim], limits[dim] = i, i + 1
+        piece = builder.slice_static(x, starts, limits, [1] * len(shape))
+        pieces.append(builder.reshape(piece, shape[:dim] + shape[dim + 1 :]))
+    return pieces

@@ -1,0 +1,53 @@
+"""``_batch_norm_with_update`` (``rules/batch_norm.py``) and the batch-chunked ``F.linear_cross_entropy`` ops
+(``rules/losses.py``) against eager, with gradients."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from support import assert_compiles_like_eager
+from torch.nn.modules.linear_cross_entropy_options import LinearCrossEntropyOptions
+
+aten = torch.ops.aten
+
+
+@pytest.fixture(autouse=True)
+def _seeded():
+    torch.manual_seed(int(os.environ.get("TPUCOMPILE_TEST_SEED", "0")))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_batch_norm_with_update(aten_ops, dtype):
+    def fn(x, weight, bias):
+        running_mean = torch.zeros(3, dtype=dtype)
+        running_var = torch.ones(3, dtype=dtype)
+        out, mean, invstd, _ = aten._batch_norm_with_update(x, weight, bias, running_mean, running_var, 0.1, 1e-5)
+        return out, mean, invstd, running_mean, running_var
+
+    x = torch.randn(4, 3, 5).to(dtype)
+    weight, bias = (torch.rand(3) + 0.5).to(dtype), torch.randn(3).to(dtype)
+    assert_compiles_like_eager(fn, x, weight, bias, grad=dtype is torch.float32)
+    assert aten._batch_norm_with_update_functional.default in aten_ops
+    if dtype is torch.float32:
+        assert aten.batch_norm_backward.default in aten_ops
+
+
+_OPTIONS = LinearCrossEntropyOptions(allow_retain_graph=True, batch_chunk_size=3, chunking_method="auto",
+                                     acc_policy="auto")
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_linear_cross_entropy_chunked(aten_ops, reduction):
+    x, linear_weight, linear_bias = torch.randn(8, 3), torch.randn(5, 3), torch.randn(5)
+    target = torch.tensor([0, 1, 4, 3, -100, 1, 2, 0])  # one ignored row
+    class_weight = torch.rand(5) + 0.5
+    assert_compiles_like_eager(
+        lambda x, w, b: F.linear_cross_entropy(x, w, target, linear_bias=b, weight=class_weight,
+                                               reduction=reduction, options=_OPTIONS),
+        x, linear_weight, linear_bias, grad=True,
+    )
+    op = "_linear_cross_entropy_batch_chunked" + ("_no_reduction" if reduction == "none" else "")
+    assert getattr(torch.ops.torch_nn, op).default in aten_ops
