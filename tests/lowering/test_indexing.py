@@ -17,7 +17,7 @@ from jax.extend.mlir import ir
 from support import assert_close_tree, assert_compiles_like_eager
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from tpucompile import backend, driver
+from tpucompile import driver
 from tpucompile.config import Options
 from tpucompile.errors import UnsupportedOpError
 from tpucompile.lowering import builder
@@ -28,20 +28,6 @@ aten = torch.ops.aten
 
 FLOAT_DTYPES = [torch.float32, torch.bfloat16]
 VALUE_DTYPES = [torch.float32, torch.bfloat16, torch.int64]
-
-
-@pytest.fixture
-def aten_ops(monkeypatch) -> set:
-    """The ATen ops of every graph handed to the tpucompile backend during the test."""
-    seen: set = set()
-    original = backend.compile_graph
-
-    def recording(gm, example_inputs, options, name):
-        seen.update(n.target for n in gm.graph.nodes if n.op == "call_function")
-        return original(gm, example_inputs, options, name)
-
-    monkeypatch.setattr(backend, "compile_graph", recording)
-    return seen
 
 
 def values(shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
