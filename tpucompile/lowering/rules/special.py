@@ -21,10 +21,21 @@ here from the mathematics, in jax:
 
 Float32 results are computed in float64 and rounded once, except where PyTorch's own float32 arithmetic
 shapes the result far beyond a rounding error, which is then reproduced: the phase ``x - pi/4`` of the large-x
-Bessel and Airy expansions is rounded to the input dtype first (for ``x`` around 1e8 that rounding moves
-the phase by radians), the polynomial recurrences and trigamma run in the input dtype, and ``i0``/``i1``
-overflow where PyTorch's float32 ``exp(|x|)`` does. Transcendental calls inside that emulation are
-evaluated in float64 and rounded, which is what a correctly rounded libm returns.
+Bessel and Airy expansions is rounded to the input dtype first (for ``x`` around 1e8 that rounding moves the
+phase by radians), so is Temme's ``eta`` in PyTorch's large-``a`` incomplete gamma branch (its float32
+``log1p(s) - s`` cancels), the polynomial recurrences and trigamma run in the input dtype with the fused
+multiply-adds PyTorch's x86 build uses (float32 recurrences agree bit for bit), and ``i0``/``i1`` overflow
+where PyTorch's float32 ``exp(|x|)`` does. Transcendental calls inside that emulation are evaluated in
+float64 and rounded, which is what a correctly rounded libm returns; so are divisions, which XLA would
+otherwise turn into multiplications by a rounded reciprocal.
+
+Not kept: where eager reads an uninitialised variable (Chebyshev U/W, Laguerre, Legendre of a NaN ``x``
+with degree >= 2 return 1.0 on PyTorch's x86 build) we return NaN; float32 ``igamma`` with ``a`` near the
+float32 maximum, where eager's float32 arithmetic overflows to NaN, gives the true value; in float64, eager's
+own approximations of J0/J1/Y0/Y1 for 5 < x < 7 and of Ai near x = -2.1 are off by up to 3e-6, ours are not
+(so float64 results differ from eager there by more than 1e-7). The polynomial loops run up to the largest
+degree in the tensor (eager loops per element, ~1000 times faster per step), and Hurwitz zeta with a large
+negative ``q`` sums ``-q`` terms, as eager does.
 """
 
 from __future__ import annotations
@@ -121,6 +132,24 @@ def _libm(fn, x):
     return fn(_f64(x)).astype(x.dtype)
 
 
+def _fma(a, b, c):
+    """a * b + c rounded once, as PyTorch's x86 builds compute ``a * b - d`` in its recurrences (the compiler
+    fuses them). Exact for float32 through float64; float64 is left to XLA, which fuses the same way."""
+    jnp = _np()
+    if a.dtype == jnp.float64:
+        return a * b + c
+    return (_f64(a) * _f64(b) + _f64(c)).astype(a.dtype)
+
+
+def _divide(a, b):
+    """a / b rounded once. XLA rewrites a division by a broadcast scalar as a multiplication by its rounded
+    reciprocal; in float64 that error stays far below a float32 rounding."""
+    jnp = _np()
+    if a.dtype == jnp.float64:
+        return a / b
+    return (_f64(a) / _f64(b)).astype(a.dtype)
+
+
 def _horner(coefficients, z):
     """sum_k coefficients[k] z^k."""
     total = 0.0
@@ -205,12 +234,12 @@ def _bessel_series(nu, xd):
     z = 0.25 * xd * xd
     term = jnp.ones_like(xd)
     j_sum = term
-    psi_sum = (2 * -_EULER_GAMMA + (1.0 if nu else 0.0)) * term if nu else jnp.zeros_like(xd)
+    psi_sum = (1.0 - 2 * _EULER_GAMMA) * term if nu else jnp.zeros_like(xd)  # psi(1) + psi(2) for nu = 1
     for k in range(1, 44):
         term = term * -z / (k * (k + nu))
         j_sum = j_sum + term
         if nu:
-            psi_sum = psi_sum + (2 * -_EULER_GAMMA + _harmonic(k) + _harmonic(k + 1)) * term
+            psi_sum = psi_sum + (_harmonic(k) + _harmonic(k + 1) - 2 * _EULER_GAMMA) * term
         else:
             psi_sum = psi_sum + _harmonic(k) * term
     half = 0.5 * xd
@@ -261,12 +290,18 @@ def _scaled_k_quadrature(nu, xd):
     The integrand is analytic in a strip, so the rule converges exponentially; a step of 0.6 / sqrt(x)
     (at most 0.25) keeps the error below 1e-16 and 32 nodes reach past where the integrand underflows.
     """
+    from jax import lax
+
     jnp = _np()
     h = jnp.minimum(0.25, 0.6 / jnp.sqrt(xd))
-    t = h[..., None] * jnp.arange(32, dtype=jnp.float64)
-    s = jnp.sinh(0.5 * t)
-    f = jnp.exp(-2.0 * xd[..., None] * s * s) * jnp.cosh(nu * t)
-    return h * (jnp.sum(f, axis=-1) - 0.5 * f[..., 0])
+
+    def node(j, total):
+        t = j.astype(jnp.float64) * h
+        s = jnp.sinh(0.5 * t)
+        return total + jnp.exp(-2.0 * xd * s * s) * jnp.cosh(nu * t)
+
+    # A loop, not a (..., 32) array: nothing 32 times the input's size, and a small program to compile.
+    return h * lax.fori_loop(1, 32, node, 0.5 * jnp.ones_like(xd))  # starts with the node t = 0, halved
 
 
 def _k_series(nu, xd):
@@ -277,12 +312,12 @@ def _k_series(nu, xd):
     log_half = jnp.log(half)
     term = jnp.ones_like(xd)
     i_sum = term
-    psi_sum = (-2 * _EULER_GAMMA + 1.0) * term if nu else jnp.zeros_like(xd)
+    psi_sum = (1.0 - 2 * _EULER_GAMMA) * term if nu else jnp.zeros_like(xd)
     for k in range(1, 30):
         term = term * z / (k * (k + nu))
         i_sum = i_sum + term
         if nu:
-            psi_sum = psi_sum + (-2 * _EULER_GAMMA + _harmonic(k) + _harmonic(k + 1)) * term
+            psi_sum = psi_sum + (_harmonic(k) + _harmonic(k + 1) - 2 * _EULER_GAMMA) * term
         else:
             psi_sum = psi_sum + _harmonic(k) * term
     if nu == 0:
@@ -312,7 +347,8 @@ def _jax_bessel_k(nu, scaled, x):
 def _jax_airy_ai(x):
     jnp = _np()
     xd = _f64(x)
-    # Maclaurin series, -8 <= x <= 2: no cancellation worth a digit there.
+    # Maclaurin series, -8 <= x <= 2 (its terms cancel to ~1e-9 absolute at x = -8, where the asymptotic
+    # expansion below is no better).
     mid = (xd >= -8.0) & (xd <= 2.0)
     xm = jnp.where(mid, xd, 0.0)
     cube = xm * xm * xm
@@ -335,9 +371,7 @@ def _jax_airy_ai(x):
     xt = jnp.where(negative_side, x, jnp.asarray(-9.0, x.dtype))
     two, three = jnp.asarray(-2.0, x.dtype), jnp.asarray(3.0, x.dtype)
     quarter_pi = jnp.asarray(np.float32(math.pi) * 0.25 if x.dtype != jnp.float64 else 0.25 * math.pi, x.dtype)
-    # XLA turns a division by a constant into a multiplication by its (rounded) reciprocal, and may fuse it
-    # with the addition: divide in float64 and round, as a float32 division would.
-    zeta_t = (_f64(two * xt * jnp.sqrt(-xt)) / _f64(three)).astype(x.dtype)
+    zeta_t = _divide(two * xt * jnp.sqrt(-xt), three)
     theta = _f64(zeta_t + quarter_pi)
     inv = 1.0 / zeta_n
     inv2 = inv * inv
@@ -442,7 +476,7 @@ def _jax_polygamma(n, x):
         return _jax_digamma(x)
     if n == 1:
         return _jax_trigamma(x)
-    zeta = _zeta_f64(jnp.full(x.shape, float(n + 1)), _f64(x)).astype(x.dtype)
+    zeta = _zeta_f64(jnp.full(x.shape, n + 1, jnp.float64), _f64(x)).astype(x.dtype)
     factorial = jnp.asarray(float(math.factorial(n)) if n < 171 else math.inf, x.dtype)
     return (1 if n % 2 else -1) * factorial * zeta
 
@@ -462,15 +496,21 @@ def _log1p_minus(mu):
     return jnp.where(small, series, mu - jnp.log1p(jnp.where(small, 0.0, mu)))
 
 
-def _temme(a, x):
-    """(P(a, x), Q(a, x)) by Temme's uniform expansion with c_0 and c_1; exact to ~1e-12 for a >= 200."""
+def _temme(a, x, eta=None):
+    """(P(a, x), Q(a, x)) by Temme's uniform expansion with c_0 and c_1: absolute error ~3e-9 at a = 200,
+    falling as a^-2.5.
+
+    ``eta`` (DLMF 8.12.1) is computed from a and x unless given."""
     from jax import lax
 
     jnp = _np()
     mu = (x - a) / a
-    half_eta2 = _log1p_minus(mu)
-    eta = jnp.sign(mu) * jnp.sqrt(2.0 * half_eta2)
-    small = jnp.abs(eta) < 0.1
+    if eta is None:
+        half_eta2 = _log1p_minus(mu)
+        eta = jnp.sign(mu) * jnp.sqrt(2.0 * half_eta2)
+    else:
+        half_eta2 = 0.5 * eta * eta
+    small = jnp.abs(eta) < 0.35
     safe_mu = jnp.where(small, 1.0, mu)
     safe_eta = jnp.where(small, 1.0, eta)
     c0 = jnp.where(small, _horner(_TEMME_C0, eta), 1.0 / safe_mu - 1.0 / safe_eta)
@@ -479,6 +519,24 @@ def _temme(a, x):
     r = jnp.exp(-a * half_eta2) / jnp.sqrt(2.0 * math.pi * a) * (c0 + c1 / a)
     u = eta * jnp.sqrt(0.5 * a)
     return 0.5 * lax.erfc(-u) - r, 0.5 * lax.erfc(u) + r
+
+
+def _eager_eta(a, x, a_t, x_t):
+    """Temme's eta where PyTorch's float32 kernel takes its asymptotic branch (a > 200, |x - a| / a <
+    4.5 / sqrt(a)): it computes ``sqrt(-2 (log1p(sigma) - sigma))`` in float32, and that cancellation moves
+    the result by up to ~1e-4 for large a. None in float64, where the cancellation costs nothing visible."""
+    jnp = _np()
+    if a.dtype == jnp.float64:
+        return None
+    two = jnp.asarray(2, a.dtype)
+    sigma = _divide(x - a, a)
+    magnitude = jnp.sqrt(-two * (_libm(jnp.log1p, sigma) - sigma))
+    lam = _divide(x, a)
+    eta = jnp.where(lam > 1, magnitude, jnp.where(lam < 1, -magnitude, jnp.zeros_like(a)))
+    region = (a > 200) & (_divide(jnp.abs(x - a), a) < _divide(jnp.asarray(4.5, a.dtype), jnp.sqrt(a)))
+    mu = (x_t - a_t) / a_t
+    exact = jnp.sign(mu) * jnp.sqrt(2.0 * _log1p_minus(mu))
+    return jnp.where(region, _f64(eta), exact)
 
 
 def _jax_igamma(upper, a, x):
@@ -493,7 +551,7 @@ def _jax_igamma(upper, a, x):
     value = (lax.igammac if upper else lax.igamma)(a_j, x_j)
     a_t = jnp.where(temme & ~edge, ad, _TEMME_MIN_A)
     x_t = jnp.where(temme & ~edge, xd, _TEMME_MIN_A)
-    p, q = _temme(a_t, x_t)
+    p, q = _temme(a_t, x_t, _eager_eta(a, x, a_t, x_t))
     value = jnp.where(temme, q if upper else p, value)
     # PyTorch's boundary values, in its order of tests.
     at_infinity = 0.0 if upper else 1.0
@@ -583,7 +641,7 @@ def _jax_chebyshev(kind, x, n):
                            _trig(jnp.sin, (nf + c(0.5)) * theta, dtype) / _trig(jnp.sin, half, dtype), fallback)
     use_closed = (n > _CLOSED_FORM_DEGREE[kind]) & (jnp.abs(y) < 1)
     use_loop = (n >= 2) & ~use_closed
-    looped = _recurrence(lambda j, p, q: two_y * q - p, q1, jnp.where(use_loop, n - 1, 0))
+    looped = _recurrence(lambda j, p, q: _fma(two_y, q, -p), q1, jnp.where(use_loop, n - 1, 0))
     value = jnp.where(n == 1, q1, looped)
     value = jnp.where(n == 0, c(1), value)
     value = jnp.where(use_closed, closed, value)
@@ -608,16 +666,16 @@ def _jax_polynomial(kind, x, n):
     one = jnp.ones_like(x)
     if kind == "h":
         q1 = x + x
-        step = lambda j, p, q: (x + x) * q - f(2 * j) * p  # noqa: E731
+        step = lambda j, p, q: _fma(x + x, q, -(f(2 * j) * p))  # noqa: E731
     elif kind == "he":
         q1 = x
-        step = lambda j, p, q: x * q - f(j) * p  # noqa: E731
+        step = lambda j, p, q: _fma(x, q, -(f(j) * p))  # noqa: E731
     elif kind == "l":
         q1 = one - x
-        step = lambda j, p, q: ((f(j + j) + (c(1) - x)) * q - f(j) * p) / f(j + 1)  # noqa: E731
+        step = lambda j, p, q: _divide(_fma(f(j + j) + (c(1) - x), q, -(f(j) * p)), f(j + 1))  # noqa: E731
     else:
         q1 = x
-        step = lambda j, p, q: (f(j + j + 1) * x * q - f(j) * p) / f(j + 1)  # noqa: E731
+        step = lambda j, p, q: _divide(_fma(f(j + j + 1) * x, q, -(f(j) * p)), f(j + 1))  # noqa: E731
     if kind in ("h", "he"):
         special = n > (512 if dtype == jnp.float64 else 128)
         special_value = jnp.full_like(x, jnp.nan)
