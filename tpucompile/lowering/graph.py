@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -274,6 +273,3 @@ def _verify(module: ir.Module) -> None:
     except ir.MLIRError as error:
         raise LoweringError(f"tpucompile built an invalid StableHLO module: {error}") from error
 
-
-def result_count(plan: Sequence[OutputSlot]) -> int:
-    return sum(1 for slot in plan if slot.kind == "result")
