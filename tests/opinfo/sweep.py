@@ -105,16 +105,25 @@ def _tolerance(opinfo: Any, dtype: torch.dtype) -> tuple[float, float]:
     return rtol, atol
 
 
-def _close(actual: Any, expected: Any, rtol: float, atol: float) -> str | None:
-    """None when equal within tolerance, else a short reason."""
+def _leaf_pairs(actual: Any, expected: Any) -> tuple[str | None, list[tuple[Any, Any]]]:
+    """(a reason when the two results differ in structure or in where tensors stand, the paired leaves)."""
     flat_a, spec_a = pytree.tree_flatten(actual)
     flat_e, spec_e = pytree.tree_flatten(expected)
     if spec_a != spec_e:
-        return f"structure {spec_a} != {spec_e}"
+        return f"structure {spec_a} != {spec_e}", []
     for a, e in zip(flat_a, flat_e, strict=True):
+        if isinstance(e, torch.Tensor) and not isinstance(a, torch.Tensor):
+            return f"expected a tensor, got {type(a).__name__}", []
+    return None, list(zip(flat_a, flat_e, strict=True))
+
+
+def _close(actual: Any, expected: Any, rtol: float, atol: float) -> str | None:
+    """None when equal within tolerance, else a short reason."""
+    reason, pairs = _leaf_pairs(actual, expected)
+    if reason is not None:
+        return reason
+    for a, e in pairs:
         if isinstance(e, torch.Tensor):
-            if not isinstance(a, torch.Tensor):
-                return f"expected a tensor, got {type(a).__name__}"
             try:
                 torch.testing.assert_close(a, e, rtol=rtol, atol=atol, equal_nan=True, check_device=False,
                                            check_stride=False)
@@ -127,16 +136,12 @@ def _close(actual: Any, expected: Any, rtol: float, atol: float) -> str | None:
 
 def _same_layout(actual: Any, expected: Any) -> str | None:
     """None when ``actual`` has the structure, shapes and dtypes of ``expected``, else a short reason."""
-    flat_a, spec_a = pytree.tree_flatten(actual)
-    flat_e, spec_e = pytree.tree_flatten(expected)
-    if spec_a != spec_e:
-        return f"structure {spec_a} != {spec_e}"
-    for a, e in zip(flat_a, flat_e, strict=True):
-        if isinstance(e, torch.Tensor):
-            if not isinstance(a, torch.Tensor):
-                return f"expected a tensor, got {type(a).__name__}"
-            if a.shape != e.shape or a.dtype != e.dtype:
-                return f"layout {a.dtype}{list(a.shape)} != {e.dtype}{list(e.shape)}"
+    reason, pairs = _leaf_pairs(actual, expected)
+    if reason is not None:
+        return reason
+    for a, e in pairs:
+        if isinstance(e, torch.Tensor) and (a.shape != e.shape or a.dtype != e.dtype):
+            return f"layout {a.dtype}{list(a.shape)} != {e.dtype}{list(e.shape)}"
     return None
 
 
