@@ -43,7 +43,7 @@ from tpucompile.cache import (
     program_key_components,
 )
 from tpucompile.config import Options, parse_size
-from tpucompile.errors import CacheMissError
+from tpucompile.errors import CacheMissError, UnsupportedOpError
 from tpucompile.lowering import LoweredProgram, OutputSlot, ShapeBindings, TensorSpec, jax_bridge, lower_graph
 from tpucompile.lowering.context import mlir_context
 from tpucompile.passes import decomposition_table
@@ -185,14 +185,21 @@ def _encode(value: Any, bindings: ShapeBindings) -> Any:
 
 def _encode_val(val: Any, bindings: ShapeBindings) -> Any:
     if isinstance(val, torch.Tensor):
-        spec = bindings.spec(val)
-        return {"tensor": [str(spec.dtype), list(spec.shape)]}
+        return {"tensor": [str(val.dtype), [_encode_size(s, bindings) for s in val.shape]]}
     if isinstance(val, (list, tuple)):
         return {"list": [_encode_val(v, bindings) for v in val]}
     try:
         return _encode(val, bindings)
     except _Uncacheable:
         return {"type": type(val).__name__}
+
+
+def _encode_size(size: Any, bindings: ShapeBindings) -> Any:
+    """A concrete size, or "?" for a data-dependent one (fixed by the op and its inputs, which are encoded)."""
+    try:
+        return bindings.resolve(size)
+    except UnsupportedOpError:
+        return "?"
 
 
 def _encode_constant(value: Any) -> Any:
@@ -273,7 +280,7 @@ def _program_metadata(program: LoweredProgram, program_sha256: str) -> dict[str,
             isinstance(value, float) and not math.isfinite(value)
         ):
             return None
-        plan.append([slot.kind, slot.index, value])
+        plan.append([slot.kind, slot.index, value, [list(t) for t in slot.trim]])
     return {
         "program_sha256": program_sha256,
         "input_specs": [_spec_json(s) for s in program.input_specs],
@@ -292,7 +299,10 @@ def _program_from_entry(entry: Entry) -> LoweredProgram:
         input_specs=[_spec_from_json(s) for s in meta["input_specs"]],
         input_positions=[int(p) for p in meta["input_positions"]],
         result_specs=[_spec_from_json(s) for s in meta["result_specs"]],
-        output_plan=[OutputSlot(kind, int(index), value) for kind, index, value in meta["output_plan"]],
+        output_plan=[
+            OutputSlot(kind, int(index), value, tuple((int(d), int(i)) for d, i in trim))
+            for kind, index, value, trim in meta["output_plan"]
+        ],
     )
 
 

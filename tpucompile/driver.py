@@ -23,13 +23,14 @@ from tpucompile.config import Options
 from tpucompile.errors import TpuCompileWarning, UnsupportedOpError
 from tpucompile.lowering import LoweredProgram, ShapeBindings, is_symbolic
 from tpucompile.lowering.graph import SEED_POSITION as LOWERED_SEED_POSITION
-from tpucompile.lowering.graph import unsupported_reason
-from tpucompile.passes import partition_supported, run_passes
+from tpucompile.lowering.graph import has_data_dependent_size, unsupported_reason
+from tpucompile.passes import isolate_node, partition_supported, run_passes
 from tpucompile.runtime import (
     CONSTANT,
     INPUT,
     RESULT,
     SEED_POSITION,
+    TRIMMED,
     GraphExecutable,
     ShapeSpecializer,
     get_target,
@@ -93,22 +94,32 @@ def compile_graph(
     """The boxed callable that runs ``gm`` (a functional ATen graph from AOTAutograd) on XLA.
 
     Ops tpucompile cannot lower either fail the compile (``fallback="error"``) or run in eager PyTorch
-    between compiled regions (``fallback="eager"``, the default).
+    between compiled regions (``fallback="eager"``, the default). Ops whose result size depends on the data
+    (``nonzero``, ``unique``) are compiled as regions of their own, whose padded results are cut to size on
+    the host before the next region sees them.
     """
     global _graphs_compiled
     _graphs_compiled += 1
     compile_cache.executable_cache().resize(options.executable_cache_size)
     passes = run_passes(gm, options.embed_constant_limit)
     unsupported = [n for n in gm.graph.nodes if unsupported_reason(n) is not None]
-    if not unsupported:
+    data_dependent = [n for n in gm.graph.nodes if has_data_dependent_size(n)]
+    if not unsupported and not data_dependent:
         return _compile_region(gm, options, name, passes.lifted_constants)
-    if options.fallback == "error":
+    if unsupported and options.fallback == "error":
         raise UnsupportedOpError(unsupported_reason(unsupported[0]) + _FALLBACK_HINT)
     _warn_fallback(unsupported)
-    regions = partition_supported(gm, lambda node: unsupported_reason(node) is None)
-    for index, region in enumerate(regions):
+    regions = partition_supported(
+        gm, lambda node: unsupported_reason(node) is None and not has_data_dependent_size(node)
+    )
+    data_dependent = [n for n in gm.graph.nodes if has_data_dependent_size(n)]  # the partitioner made new nodes
+    for index, node in enumerate(data_dependent):
+        region = f"data_dependent_{index}"
+        isolate_node(gm, node, region)
+        regions.append(region)
+    for region in regions:
         submodule = getattr(gm, region)
-        compiled = _compile_region(submodule, options, f"{name} region {index}", [])
+        compiled = _compile_region(submodule, options, f"{name} {region}", [])
         setattr(gm, region, _CompiledRegion(compiled, _returns_tuple(submodule)))
     gm.recompile()
     return _EagerGraph(gm, passes.lifted_constants)
@@ -178,6 +189,7 @@ def _compile_region(
             [SEED_POSITION if p == LOWERED_SEED_POSITION else p for p in program.input_positions],
             _output_plan(program),
             lifted_constants,
+            len(program.result_specs),
         )
         _recent.append(weakref.ref(executable))
         return executable
@@ -212,8 +224,12 @@ def _notify(
 
 
 def _output_plan(program: LoweredProgram) -> list[tuple[int, Any]]:
-    kinds = {"result": RESULT, "input": INPUT, "constant": CONSTANT}
-    return [
-        (kinds[slot.kind], slot.value if slot.kind == "constant" else slot.index)
-        for slot in program.output_plan
-    ]
+    plan = []
+    for slot in program.output_plan:
+        if slot.kind == "result":
+            plan.append((TRIMMED, (slot.index, slot.trim)) if slot.trim else (RESULT, slot.index))
+        elif slot.kind == "input":
+            plan.append((INPUT, slot.index))
+        else:
+            plan.append((CONSTANT, slot.value))
+    return plan

@@ -130,3 +130,17 @@ def test_read_only_mode_serves_hits_without_touching_the_directory(cache_dir):
     assert event.tier == "local" and event.program_tier == "local"
     after = sorted((p.name, p.stat().st_mtime_ns) for p in cache_dir.rglob("*") if p.is_file())
     assert before == after
+
+
+def unique_rows(x):
+    return torch.unique(x, dim=0, return_counts=True)
+
+
+def test_warm_start_keeps_the_padding_plan_of_data_dependent_sizes(cache_dir):
+    x = torch.tensor([[1.0, 2.0], [0.0, 1.0], [1.0, 2.0]])
+    expected = unique_rows(x)
+    _, cold_events = compile_and_run(unique_rows, x)
+    warm, warm_events = compile_and_run(unique_rows, x)
+    assert [e.program_tier for e in warm_events] == ["local"] * len(cold_events)
+    for actual, wanted in zip(warm, expected, strict=True):
+        torch.testing.assert_close(actual, wanted)

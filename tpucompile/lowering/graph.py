@@ -4,6 +4,11 @@ Tensor placeholders become the function's arguments in graph order. Nodes whose 
 (SymInt arithmetic, ``sym_size``) are not lowered: they are evaluated to constants, since every module is
 compiled for one concrete set of sizes. Graph outputs that are not results of the program (an input
 returned as is, a size) are described by an output plan that the runtime follows.
+
+An op whose result size depends on the data (``nonzero``, ``unique``) is lowered with results padded to a
+static bound; its actual size becomes an extra result, and the output plan tells the runtime which dimension
+to cut to it. Such an op must be the graph's only computation (the driver compiles it as a region of its
+own), since anything computed from the padded values inside the program would see the padding.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import dataclasses
 import operator
 from typing import Any
 
+import sympy
 import torch
 import torch.fx
 from jax.extend.mlir import ir
@@ -22,7 +28,7 @@ from tpucompile import diagnostics
 from tpucompile.errors import LoweringError, TpuCompileError, UnsupportedOpError
 from tpucompile.lowering import builder
 from tpucompile.lowering.context import mlir_context
-from tpucompile.lowering.registry import LoweringContext, is_random, lookup_rule
+from tpucompile.lowering.registry import LoweringContext, is_random, lookup_rule, size_bound
 from tpucompile.lowering.rng import SEED_SHAPE, RandomStream
 from tpucompile.lowering.shapes import ShapeBindings
 from tpucompile.lowering.types import SUPPORTED_DTYPES, TensorSpec, spec_of, spec_type
@@ -37,6 +43,8 @@ class OutputSlot:
     kind: str
     index: int = 0
     value: Any = None
+    trim: tuple[tuple[int, int], ...] = ()
+    """For a padded result: (dimension, index of the int64 result holding that dimension's actual size)."""
 
 
 @dataclasses.dataclass
@@ -79,9 +87,11 @@ def lower_graph(
 class _GraphLowering:
     def __init__(self, gm: torch.fx.GraphModule, bindings: ShapeBindings) -> None:
         self.gm = gm
-        self.bindings = bindings
+        self.bindings = ShapeBindings(dict(bindings.values))  # data-dependent sizes get bound to their bounds
         self.env: dict[torch.fx.Node, Any] = {}
         self.random: RandomStream | None = None
+        self.actual_sizes: dict[sympy.Symbol, Any] = {}
+        """For each data-dependent size: the int64 scalar the program computes it into."""
 
     def run(self, verify: bool) -> LoweredProgram:
         graph = self.gm.graph
@@ -97,14 +107,10 @@ class _GraphLowering:
         outputs = output_node.args[0]
         outputs = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
         result_nodes = [o for o in outputs if self._is_result(o)]
-        result_specs = [self._spec(n) for n in dict.fromkeys(result_nodes)]
 
         module = ir.Module.create()
         with ir.InsertionPoint(module.body):
-            function_type = ir.FunctionType.get(
-                [spec_type(s) for s in input_specs], [spec_type(s) for s in result_specs]
-            )
-            main = func.FuncOp("main", function_type)
+            main = func.FuncOp("main", ir.FunctionType.get([spec_type(s) for s in input_specs], []))
             main.attributes["sym_visibility"] = ir.StringAttr.get("public")
             block = main.add_entry_block()
         for (_, node), arg in zip(tensor_inputs, block.arguments, strict=False):
@@ -123,13 +129,20 @@ class _GraphLowering:
                 elif node.op == "get_attr":
                     self.env[node] = self._lower_constant(node)
             unique_results = list(dict.fromkeys(result_nodes))
-            func.ReturnOp([self.env[n] for n in unique_results])
+            sizes = list(self.actual_sizes)
+            returned = [self.env[n] for n in unique_results] + [self.actual_sizes[s] for s in sizes]
+            func.ReturnOp(returned)
+        result_specs = [spec_of(v) for v in returned]
+        main.attributes["function_type"] = ir.TypeAttr.get(
+            ir.FunctionType.get([spec_type(s) for s in input_specs], [spec_type(s) for s in result_specs])
+        )
 
         input_index = {node: k for k, (_, node) in enumerate(tensor_inputs)}
         plan = []
         for out in outputs:
             if out in unique_results:
-                plan.append(OutputSlot("result", unique_results.index(out)))
+                trim = self._trim(out, {s: len(unique_results) + k for k, s in enumerate(sizes)})
+                plan.append(OutputSlot("result", unique_results.index(out), trim=trim))
             elif isinstance(out, torch.fx.Node) and out.op == "placeholder" and out in input_index:
                 plan.append(OutputSlot("input", placeholders.index(out)))
             elif isinstance(out, torch.fx.Node):
@@ -145,6 +158,13 @@ class _GraphLowering:
             result_specs=result_specs,
             output_plan=plan,
         )
+
+    def _trim(self, node: torch.fx.Node, size_results: dict[sympy.Symbol, int]) -> tuple[tuple[int, int], ...]:
+        trim = []
+        for dim, size in enumerate(node.meta["val"].shape):
+            if isinstance(size, torch.SymInt) and size.node.expr in size_results:
+                trim.append((dim, size_results[size.node.expr]))
+        return tuple(trim)
 
     def _is_result(self, out: Any) -> bool:
         return (
@@ -178,6 +198,8 @@ class _GraphLowering:
         if reason is not None:
             raise UnsupportedOpError(reason)
         rule = lookup_rule(node.target)
+        padded = rule.bound is not None
+        symbol = self._bind_data_dependent_size(node, rule.bound) if padded else None
         args = [self._materialize(a) for a in node.args]
         kwargs = {k: self._materialize(v) for k, v in node.kwargs.items()}
         ctx = LoweringContext(
@@ -197,8 +219,50 @@ class _GraphLowering:
                 raise LoweringError(
                     f"lowering {diagnostics.describe_node(node)} failed: {type(error).__name__}: {error}"
                 ) from error
+        if padded:
+            *result, size = result
+            if symbol is not None:
+                self.actual_sizes[symbol] = size
+            if not isinstance(val, (list, tuple)):
+                (result,) = result
         self._check_result(node, ctx, result)
         return result
+
+    def _bind_data_dependent_size(self, node: torch.fx.Node, bound: Any) -> sympy.Symbol | None:
+        """Bind the op's data-dependent size to its static bound, so its results get padded types.
+
+        None when the traced sizes are all known already (an empty input: the size is 0 whatever the data).
+        """
+        symbols = self._unbound_symbols(node.meta.get("val"))
+        if not symbols:
+            return None
+        if len(symbols) != 1:
+            raise LoweringError(f"expected one data-dependent size in {diagnostics.describe_node(node)}")
+        users = [u for user in node.users for u in ([user] if user.op == "output" else user.users)]
+        if any(u.op != "output" for u in users):
+            raise LoweringError(
+                f"{diagnostics.describe_node(node)} has a data-dependent result size and must be compiled "
+                "as a graph of its own (the driver splits it out)"
+            )
+        operand_specs = [self._operand_spec(a) for a in node.args]
+        kwarg_specs = {k: self._operand_spec(v) for k, v in node.kwargs.items()}
+        self.bindings.values[symbols[0]] = sympy.Integer(bound(*operand_specs, **kwarg_specs))
+        return symbols[0]
+
+    def _operand_spec(self, arg: Any) -> Any:
+        meta = _meta(arg)
+        return self.bindings.spec(meta) if isinstance(meta, torch.Tensor) else self.bindings.resolve(meta)
+
+    def _unbound_symbols(self, val: Any) -> list[sympy.Symbol]:
+        found: dict[sympy.Symbol, None] = {}
+        for item in val if isinstance(val, (list, tuple)) else [val]:
+            if isinstance(item, torch.Tensor):
+                for size in item.shape:
+                    if isinstance(size, torch.SymInt):
+                        for symbol in sympy.sympify(size.node.expr).free_symbols:
+                            if symbol not in self.bindings.values:
+                                found[symbol] = None
+        return list(found)
 
     def _output_specs(self, val: Any) -> list[TensorSpec | None]:
         if isinstance(val, (list, tuple)):
@@ -249,6 +313,11 @@ def unsupported_reason(node: torch.fx.Node) -> str | None:
     if lookup_rule(node.target) is None:
         return f"no lowering for {diagnostics.describe_node(node)}"
     return None
+
+
+def has_data_dependent_size(node: torch.fx.Node) -> bool:
+    """Whether ``node`` is an op whose result size depends on the data (lowered padded, see the module doc)."""
+    return node.op == "call_function" and size_bound(node.target) is not None
 
 
 def _meta(arg: Any) -> Any:

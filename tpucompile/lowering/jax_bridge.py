@@ -135,7 +135,7 @@ def _lower(key: _Key, fn: Callable[..., object]) -> str:
     structs = [jax.ShapeDtypeStruct(s.shape, _jax_dtype(s.dtype)) for s in key.operands]
     try:
         with jax.enable_x64(True):
-            lowered = jax.jit(fn).trace(*structs).lower(lowering_platforms=(key.platform,))
+            lowered = jax.jit(fn, keep_unused=True).trace(*structs).lower(lowering_platforms=(key.platform,))
             text = lowered.as_text()
     except Exception as error:
         raise LoweringError(f"jax could not lower {key.name} for {[str(s) for s in key.operands]}: {error}") from error

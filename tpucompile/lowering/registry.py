@@ -6,6 +6,10 @@ rule runs, and the cast to the node's result dtype after it, so an elementwise r
 op computes it::
 
     register_lowering(aten.add.Tensor, promote=DEFAULT)(lambda ctx, a, b, alpha=1: ...)
+
+Ops whose result size depends on the data (``nonzero``, ``unique``, …) register with ``bound=``: a function of
+the operands' specs giving a static upper bound of that size. The rule then returns its results padded to the
+bound, followed by the actual size as an int64 scalar; the runtime cuts the padding off after the call.
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ class LoweringRule:
     promote: PromotionKind | None
     operands: tuple[int, ...] | None
     random: bool = False
+    bound: Callable[..., int] | None = None
 
     def __call__(self, ctx: LoweringContext, args: list[Any], kwargs: dict[str, Any]) -> Any:
         if self.promote is None:
@@ -98,16 +103,19 @@ def register_lowering(
     promote: PromotionKind | None = None,
     operands: Sequence[int] | None = None,
     random: bool = False,
+    bound: Callable[..., int] | None = None,
 ) -> Callable[[Rule], Rule]:
     """Register ``fn`` as the lowering of ``ops`` (an overload packet registers all its overloads).
 
     ``promote`` enables elementwise type promotion and broadcasting of the positional arguments listed in
     ``operands`` (all tensor and scalar positional arguments when None). ``random`` marks ops that draw
-    random numbers: their program gets a seed argument and the rule gets ``ctx.random``.
+    random numbers: their program gets a seed argument and the rule gets ``ctx.random``. ``bound`` marks ops
+    with a data-dependent result size: it is called like the op, with a ``TensorSpec`` for each tensor, and
+    returns the size the results are padded to.
     """
 
     def decorate(fn: Rule) -> Rule:
-        rule = LoweringRule(fn, promote, tuple(operands) if operands is not None else None, random)
+        rule = LoweringRule(fn, promote, tuple(operands) if operands is not None else None, random, bound)
         for op in ops:
             overloads = (
                 [getattr(op, name) for name in op.overloads()]
@@ -130,6 +138,12 @@ def lookup_rule(op: object) -> LoweringRule | None:
 def is_random(op: object) -> bool:
     rule = _RULES.get(op)  # type: ignore[arg-type]
     return rule is not None and rule.random
+
+
+def size_bound(op: object) -> Callable[..., int] | None:
+    """The upper-bound function of an op with a data-dependent result size, or None for any other op."""
+    rule = _RULES.get(op)  # type: ignore[arg-type]
+    return None if rule is None else rule.bound
 
 
 def has_lowering(op: object) -> bool:

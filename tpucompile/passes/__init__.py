@@ -15,7 +15,7 @@ from tpucompile.passes.constants import lift_large_constants
 from tpucompile.passes.dead_code import eliminate_dead_code
 from tpucompile.passes.decompositions import decomposition_table
 from tpucompile.passes.noop_views import remove_noop_views
-from tpucompile.passes.partition import partition_supported
+from tpucompile.passes.partition import isolate_node, partition_supported
 
 
 @dataclasses.dataclass
@@ -36,6 +36,7 @@ __all__ = [
     "PassResult",
     "decomposition_table",
     "eliminate_dead_code",
+    "isolate_node",
     "lift_large_constants",
     "partition_supported",
     "remove_noop_views",

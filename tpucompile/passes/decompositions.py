@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch._decomp import core_aten_decompositions, get_decompositions
@@ -38,6 +39,7 @@ _LOWERED_WHOLE = [
     aten.native_layer_norm.default,
     aten.gelu.default,
     aten.roll.default,  # slices + concatenate; the core table's version is a gather
+    aten.take.default,  # the table's version indexes with a 0-d tensor, which Dynamo turns into .item()
 ]
 
 
@@ -110,6 +112,16 @@ _TORCH_BATCH_NORM = get_decompositions([aten._native_batch_norm_legit_functional
 ]
 
 
+def unique_consecutive_normalized_dim(
+    input: torch.Tensor, return_inverse: bool = False, return_counts: bool = False, dim: int | None = None
+) -> Any:
+    """``unique_consecutive`` with a negative ``dim`` made positive: PyTorch's meta function builds the
+    wrong result shape for a negative ``dim`` (``[u0, 5]`` for a 1-d input), which the eager kernel does not."""
+    if dim is None or dim >= 0:
+        return NotImplemented
+    return aten.unique_consecutive.default(input, return_inverse, return_counts, dim % max(input.dim(), 1))
+
+
 @functools.cache
 def decomposition_table() -> dict[torch._ops.OpOverload, Callable]:
     """The table handed to AOTAutograd (built once; treat it as read-only)."""
@@ -118,4 +130,5 @@ def decomposition_table() -> dict[torch._ops.OpOverload, Callable]:
     for op in _LOWERED_WHOLE:
         table.pop(op, None)
     table[aten._native_batch_norm_legit_functional.default] = batch_norm_functional
+    table[aten.unique_consecutive.default] = unique_consecutive_normalized_dim
     return table

@@ -26,8 +26,9 @@ class _Support(OperatorSupportBase):
     def is_node_supported(self, submodules: Mapping[str, torch.nn.Module], node: torch.fx.Node) -> bool:
         if node.op != "call_function":
             return False
-        if node.target is operator.getitem:
-            return True
+        if node.target is operator.getitem:  # stays with the op whose tuple it takes apart
+            source = node.args[0]
+            return not isinstance(source, torch.fx.Node) or self.is_node_supported(submodules, source)
         return self._is_supported(node)
 
 
@@ -54,3 +55,43 @@ def _copy_input_metadata(gm: torch.fx.GraphModule, name: str) -> None:
     for placeholder, argument in zip(placeholders, call.args, strict=True):
         if "val" not in placeholder.meta and isinstance(argument, torch.fx.Node) and "val" in argument.meta:
             placeholder.meta["val"] = argument.meta["val"]
+
+
+def isolate_node(gm: torch.fx.GraphModule, node: torch.fx.Node, name: str) -> torch.fx.GraphModule:
+    """Move ``node`` alone into a new submodule ``name`` of ``gm`` and call it in the node's place.
+
+    The submodule takes the node's tensor arguments as placeholders (other arguments stay literal) and
+    returns what the node returned, so the node's ``getitem`` users keep working on the outer graph.
+    """
+    sub_graph = torch.fx.Graph()
+    copies: dict[torch.fx.Node, torch.fx.Node] = {}  # outer argument → its placeholder, in call order
+
+    def placeholder(arg: torch.fx.Node) -> torch.fx.Node:
+        if arg not in copies:
+            copies[arg] = sub_graph.placeholder(arg.name)
+            copies[arg].meta.update(arg.meta)
+        return copies[arg]
+
+    args = torch.fx.map_arg(node.args, placeholder)
+    kwargs = torch.fx.map_arg(node.kwargs, placeholder)
+    call = sub_graph.call_function(node.target, args, kwargs)
+    call.meta.update(node.meta)
+    value = node.meta.get("val")
+    if isinstance(value, (list, tuple)):
+        items = []
+        for index, item in enumerate(value):
+            getitem = sub_graph.call_function(operator.getitem, (call, index))
+            getitem.meta["val"] = item
+            items.append(getitem)
+        sub_graph.output(tuple(items))
+    else:
+        sub_graph.output(call)
+    submodule = torch.fx.GraphModule(gm, sub_graph)
+    gm.add_submodule(name, submodule)
+    with gm.graph.inserting_before(node):
+        replacement = gm.graph.call_module(name, tuple(copies))
+    replacement.meta.update(node.meta)
+    node.replace_all_uses_with(replacement)
+    gm.graph.erase_node(node)
+    gm.recompile()
+    return submodule

@@ -1,7 +1,7 @@
 """Running compiled programs: PJRT targets, compilation, DLPack exchange, per-shape specialisation."""
 
 from tpucompile.runtime.compiler import compile_module
-from tpucompile.runtime.executable import CONSTANT, INPUT, RESULT, SEED_POSITION, GraphExecutable
+from tpucompile.runtime.executable import CONSTANT, INPUT, RESULT, SEED_POSITION, TRIMMED, GraphExecutable
 from tpucompile.runtime.specialize import ShapeSpecializer
 from tpucompile.runtime.target import Target, build_flags, compile_options, compile_options_fingerprint, get_target
 
@@ -10,6 +10,7 @@ __all__ = [
     "INPUT",
     "RESULT",
     "SEED_POSITION",
+    "TRIMMED",
     "GraphExecutable",
     "ShapeSpecializer",
     "Target",

@@ -15,7 +15,9 @@ import torch
 
 from tpucompile.runtime.transfer import to_buffer, to_tensor
 
-RESULT, INPUT, CONSTANT = 0, 1, 2
+RESULT, INPUT, CONSTANT, TRIMMED = 0, 1, 2, 3
+"""Output plan kinds: program result i; argument j as is; a constant; a padded result cut to sizes that
+other results hold (value: (result index, ((dimension, size result index), ...)))."""
 SEED_POSITION = -1
 """An input position that is not an argument: a fresh seed for the program's random ops."""
 
@@ -35,6 +37,7 @@ class GraphExecutable:
         input_positions: Sequence[int],
         output_plan: Sequence[tuple[int, Any]],
         constants: Sequence[torch.Tensor] = (),
+        result_count: int | None = None,
     ) -> None:
         self._boxed_call = True  # AOTAutograd passes the arguments as one list (an instance
         # attribute, so that the wrappers Dynamo puts around a backward copy it with the __dict__)
@@ -44,7 +47,9 @@ class GraphExecutable:
         self.output_plan = list(output_plan)
         self.constants = list(constants)
         self._buffer_cache: list[tuple | None] = [None] * len(self.input_positions)
-        self._results_in_order = self.output_plan == [(RESULT, i) for i in range(len(self.output_plan))]
+        self._results_in_order = self.output_plan == [(RESULT, i) for i in range(len(self.output_plan))] and (
+            result_count is None or result_count == len(self.output_plan)
+        )
 
     def buffers(self, args: Sequence[Any]) -> list[Any]:
         """Device buffers of the program's arguments, reusing those of unchanged tensors."""
@@ -82,6 +87,12 @@ class GraphExecutable:
                 outputs.append(to_tensor(results[value]))
             elif kind == INPUT:
                 outputs.append(args[value])
+            elif kind == TRIMMED:
+                index, trim = value
+                tensor = to_tensor(results[index])
+                for dim, size_index in trim:
+                    tensor = tensor.narrow(dim, 0, int(to_tensor(results[size_index])))
+                outputs.append(tensor)
             else:
                 outputs.append(value)
         return outputs

@@ -1,10 +1,12 @@
 """Lowering rules, one module per op family. Importing this package registers them all."""
 
 from tpucompile.lowering.rules import (  # noqa: F401
+    assertions,
     batch_norm,
     conversions,
     convolution,
     creation,
+    data_dependent,
     elementwise,
     embedding_bag,
     grid_sample,

@@ -177,8 +177,8 @@ def _grid_sampler(ctx, image, grid, interpolation_mode, padding_mode, align_corn
 @register_lowering(aten.grid_sampler_2d_backward.default, aten.grid_sampler_3d_backward.default)
 def _grid_sampler_backward(ctx, grad, image, grid, interpolation_mode, padding_mode, align_corners, output_mask):
     """``jax.vjp`` of the forward. The gradient of the grid is zero for ``nearest``; the image's values are
-    passed to jax only when the grid's gradient needs them (jax drops unused arguments from what it lowers,
-    and the image's own gradient does not depend on them)."""
+    passed to jax only when the grid's gradient needs them (the image's own gradient does not depend on
+    them)."""
     _check(interpolation_mode, builder.rank_of(image) - 2)
     specs = ctx.avals_out
     mode, padding, corners = interpolation_mode, padding_mode, bool(align_corners)

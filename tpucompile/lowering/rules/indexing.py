@@ -18,7 +18,7 @@ from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import stablehlo as hlo
 
 from tpucompile.errors import UnsupportedOpError
-from tpucompile.lowering import builder
+from tpucompile.lowering import builder, jax_bridge
 from tpucompile.lowering.registry import register_lowering
 from tpucompile.lowering.rules.scans import scan
 
@@ -218,6 +218,8 @@ def _scalar_or_tensor(value: Value | bool | int | float, dtype: torch.dtype, sha
 
 @register_lowering(aten.index.Tensor, aten._unsafe_index.Tensor)
 def _index(ctx, x, indices):
+    if 0 in ctx.aval_out.shape:  # nothing to gather (and XLA refuses gathers from an empty dimension)
+        return builder.constant(0, ctx.aval_out.dtype, ctx.aval_out.shape)
     masked = _single_mask(indices)
     if masked is not None:
         return _masked_take(x, masked[0], masked[1], ctx.aval_out.shape)
@@ -312,9 +314,37 @@ def _index_select(ctx, x, dim, index):
     return builder.reshape(_take(x, [None] * dim + [index]), ctx.aval_out.shape)
 
 
+@register_lowering(aten.take.default)
+def _take_flat(ctx, x, index):
+    """``torch.take``: ``x`` read as if flattened (PyTorch's decomposition turns a 0-d index into ``.item()``)."""
+    if 0 in ctx.aval_out.shape:
+        return builder.constant(0, ctx.aval_out.dtype, ctx.aval_out.shape)
+    flat = builder.reshape(x, (_numel(builder.shape_of(x)),))
+    positions = builder.reshape(index, (_numel(builder.shape_of(index)),))
+    return builder.reshape(_take(flat, [positions]), ctx.aval_out.shape)
+
+
 @register_lowering(aten.embedding.default)
 def _embedding(ctx, weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
     return _take(weight, [indices])  # padding_idx and the flags only matter to the backward
+
+
+@register_lowering(aten.embedding_renorm.default)
+def _embedding_renorm(ctx, weight, indices, max_norm, norm_type):
+    """``embedding(max_norm=)``'s rescale: rows that ``indices`` reads and whose ``norm_type``-norm exceeds
+    ``max_norm`` are scaled by ``max_norm / (norm + 1e-7)``, as the eager kernel does row by row."""
+
+    def fn(weight, indices):
+        import jax.numpy as jnp
+
+        rows = weight.astype(jnp.float32)
+        norms = jnp.linalg.norm(rows, ord=norm_type, axis=1)
+        read = jnp.zeros((weight.shape[0],), bool).at[indices.reshape(-1)].set(True, mode="drop")
+        scale = jnp.where(read & (norms > max_norm), max_norm / (norms + 1e-7), 1.0)
+        return (rows * scale[:, None]).astype(weight.dtype)
+
+    return jax_bridge.call("embedding_renorm", fn, [weight, indices], [ctx.aval_out],
+                           params=(float(max_norm), float(norm_type)))[0]
 
 
 def _index_update(ctx, x, dim, index, source, combiner: Combiner, fill: bool = False) -> Value:

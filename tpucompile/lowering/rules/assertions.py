@@ -1,0 +1,26 @@
+"""Runtime assertions on sizes that Dynamo puts in graphs (``u0 >= 0`` after a ``nonzero``, …).
+
+Every program is compiled for one concrete set of sizes, so a size assertion is decided while lowering: it
+holds for every call this program will ever see, or it fails now, with PyTorch's own message, before the
+program could run on sizes it was not meant for.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tpucompile.lowering.registry import register_lowering
+
+aten = torch.ops.aten
+
+
+@register_lowering(aten._assert_scalar.default)
+def _assert_scalar(ctx, condition, message):
+    if not condition:
+        raise RuntimeError(message)
+
+
+@register_lowering(aten.sym_constrain_range_for_size.default, aten.sym_constrain_range.default)
+def _constrain_range(ctx, size, min=None, max=None):
+    if (min is not None and size < min) or (max is not None and size > max):
+        raise RuntimeError(f"size {size} is outside its declared range [{min}, {max}]")
