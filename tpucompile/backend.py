@@ -16,8 +16,9 @@ import torch
 import torch.fx
 from torch._dynamo.backends.common import aot_autograd
 
+from tpucompile import dump
 from tpucompile.config import Options
-from tpucompile.driver import compile_graph
+from tpucompile.driver import compile_graph, record_graph
 from tpucompile.passes import decomposition_table, rewrite_attention
 
 _graph_counter = itertools.count()
@@ -32,7 +33,10 @@ def tpucompile_backend(
     """Entry point Dynamo calls for ``torch.compile(model, backend="tpucompile", options=...)``."""
     config = Options.from_sources(options)
     index = next(_graph_counter)
-    rewrite_attention(gm)
+    dump.start_from_environment()
+    record_graph(f"graph {index}", "fx", gm)
+    if rewrite_attention(gm):
+        record_graph(f"graph {index}", "fx_rewrite_attention", gm)
 
     def compiler(role: str) -> Callable[[torch.fx.GraphModule, list[Any]], Callable]:
         def compile_role(aten_gm: torch.fx.GraphModule, aten_inputs: list[Any]) -> Callable:

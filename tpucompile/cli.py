@@ -1,25 +1,30 @@
-"""The ``tpucompile`` command (also ``python -m tpucompile``): inspect and manage the compile cache, warm it.
+"""The ``tpucompile`` command (also ``python -m tpucompile``): see what graphs became, manage the compile cache.
 
+    tpucompile dump-hlo SCRIPT.py [--out DIR] [--stage STAGE --graph N] [-- script args...]
+    tpucompile dump-hlo --key KEY | --diff KEY_A KEY_B
     tpucompile cache ls | stats | verify | prune --max-size 2GB | explain KEY_A KEY_B
     tpucompile cache export BUNDLE | import BUNDLE
     tpucompile warm SCRIPT.py [args...] [--expect-all-hits]
 
 Every command takes ``--json``. The cache directory and mode come from ``--dir`` or the same
 ``TPUCOMPILE_CACHE_*`` variables the backend reads. Commands that only look at files import neither torch
-nor jax, so they answer quickly.
+nor jax (``dump-hlo --key/--diff`` load only jax's MLIR bindings), so they answer quickly.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import runpy
 import sys
 import time
-from collections.abc import Sequence
+import traceback
+from collections.abc import Iterator, Sequence
 from typing import Any
 
+from tpucompile import dump
 from tpucompile.cache import PersistentCache, default_root, differing_components
 from tpucompile.cache.bundle import BundleError, export_bundle, import_bundle, signing_key
 from tpucompile.cache.entry import CorruptEntryError, decode
@@ -27,31 +32,116 @@ from tpucompile.cache.keys import is_key
 from tpucompile.config import Options, parse_size
 from tpucompile.errors import TpuCompileError
 
+# Exit statuses of ``dump-hlo`` (besides 0, 1 for other errors and 2 for a malformed command line).
+EXIT_NO_SCRIPT = 3
+EXIT_SCRIPT_FAILED = 4
+EXIT_NOTHING_COMPILED = 5
+EXIT_UNKNOWN_KEY = 6
+EXIT_OUT_NOT_WRITABLE = 7
+EXIT_NO_SUCH_GRAPH = 8
+
+
+class _Failure(Exception):
+    """A one-line error with an exit status of its own, so that scripts can tell the cases apart."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status."""
     parser = _parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    script_args: list[str] = []
+    if argv[:1] == ["dump-hlo"] and "--" in argv:  # everything after "--" belongs to the script
+        cut = argv.index("--")
+        argv, script_args = argv[:cut], argv[cut + 1:]
     args = parser.parse_args(argv)
     if not getattr(args, "handler", None):
         parser.print_help()
         return 2
+    if script_args:
+        args.script_args = script_args
     try:
         return args.handler(args)
+    except BrokenPipeError:  # the reader (head, grep -q) stopped early: not an error of ours
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
+    except _Failure as failure:
+        print(f"tpucompile {args.command}: {failure}", file=sys.stderr)
+        return failure.status
     except (TpuCompileError, BundleError, ValueError, OSError) as error:
         _emit(args, {"error": str(error)}, f"tpucompile: error: {error}")
         return 1
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tpucompile", description="tpucompile's compile cache tools")
-    commands = parser.add_subparsers(title="commands")
+_DUMP_HLO_EPILOG = f"""\
+examples:
+  tpucompile dump-hlo examples/mlp.py               run it, dump every graph, print a summary table
+  tpucompile dump-hlo --stage stablehlo --graph 1 | grep dot_general
+                                                    print one stage of one graph of the last dump
+  tpucompile dump-hlo train.py --out /tmp/d -- --steps 2
+                                                    arguments after "--" are the script's
+  tpucompile dump-hlo --key cbe2f006                the StableHLO stored in the cache for a key (prefix)
+  tpucompile dump-hlo --diff 98fbe0e8 cbe2f006      why did it recompile? a diff of two keys' StableHLO
+  {dump.ENV_VAR}=/tmp/d python train.py     the same dump from any program, without this command
 
-    def command(group: Any, name: str, handler: Any, help_text: str) -> argparse.ArgumentParser:
-        sub = group.add_parser(name, help=help_text, description=help_text)
+summary of examples/mlp.py (on stdout; the script's own output goes to stderr):
+  graph  role       aten ops  hlo ops  in/out  shapes                              key           compile ms  cache
+      0  inference        18       28  11/1    f32[256,256] +10 -> f32[64,10]      98fbe0e8b18c       112.5  miss
+      1  forward          18       28  11/13   f32[256,256] +10 -> f32[64,10] +12  cbe2f006e72a       159.8  miss
+      2  backward         62       85  14/10   f32[64,256] +13 -> f32[256,256] +9  5f80fe47ff67       107.7  miss
+
+each graph gets a folder DIR/NNN-ROLE, numbered in compile order (a new run replaces the old folders):
+  fx.txt               Dynamo's FX graph
+  aten_N_<stage>.txt   the ATen graph from AOTAutograd, then after each pass
+  aten.txt             the ATen graph that was lowered; locations.txt: each op's line in your source
+  stablehlo.mlir       StableHLO text, loc("file.py":line:col) on each op (keys ignore locations)
+  stablehlo.mlirbc     the same as a portable StableHLO artifact
+  hlo.txt              XLA HLO before optimisation; hlo_optimized.txt: HLO of the compiled executable
+  compile_options.txt  XLA compile options; key.json: the cache key and its components
+  info.json            op counts, signature, compile time, cache outcome, fallback ops, source files
+
+exit status:
+  0 ok, 1 other error, 2 bad command line, {EXIT_NO_SCRIPT} no such script, \
+{EXIT_SCRIPT_FAILED} the script failed (dumps made so far are kept),
+  {EXIT_NOTHING_COMPILED} the script compiled nothing, {EXIT_UNKNOWN_KEY} unknown key, \
+{EXIT_OUT_NOT_WRITABLE} --out is not writable, {EXIT_NO_SUCH_GRAPH} no such graph or stage in the dump
+"""
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tpucompile",
+                                     description="see what tpucompile made of a program; manage its compile cache")
+    commands = parser.add_subparsers(title="commands", dest="command")
+
+    def command(group: Any, name: str, handler: Any, help_text: str, **extra: Any) -> argparse.ArgumentParser:
+        sub = group.add_parser(name, help=help_text, description=help_text, **extra)
         sub.add_argument("--json", action="store_true", help="print one JSON document")
         sub.add_argument("--dir", help="cache directory (default: TPUCOMPILE_CACHE_DIR or ~/.cache/tpucompile)")
         sub.set_defaults(handler=handler)
         return sub
+
+    dump_hlo = command(
+        commands, "dump-hlo", _dump_hlo,
+        "run SCRIPT.py unchanged and write down what each graph it compiles with tpucompile became:\n"
+        "the FX graph, the ATen graph after each pass, StableHLO, XLA HLO before and after optimisation,\n"
+        "compile options, cache key, compile time and cache outcome",
+        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_DUMP_HLO_EPILOG,
+    )
+    dump_hlo.add_argument("script", nargs="?", help="the program to run (omit it to read the last dump)")
+    dump_hlo.add_argument("--out", default=os.environ.get(dump.ENV_VAR) or dump.DEFAULT_DIR, metavar="DIR",
+                          help=f"dump directory (default: ${dump.ENV_VAR} or ./{dump.DEFAULT_DIR})")
+    dump_hlo.add_argument("--stage", choices=list(dump.STAGES),
+                          help="with --graph: print this stage (default stablehlo)")
+    dump_hlo.add_argument("--graph", type=int, metavar="N", help="print one stage of graph N to stdout")
+    dump_hlo.add_argument("--key", metavar="KEY",
+                          help="print the StableHLO stored for a cache key (or a unique prefix of one)")
+    dump_hlo.add_argument("--diff", nargs=2, metavar=("KEY_A", "KEY_B"),
+                          help="unified diff of two keys' StableHLO, without locations (what keys hash)")
+    dump_hlo.set_defaults(script_args=[])
 
     cache = commands.add_parser("cache", help="inspect and manage the persistent compile cache")
     cache_commands = cache.add_subparsers(title="cache commands")
@@ -274,17 +364,10 @@ def _warm(args: argparse.Namespace) -> int:
 
     events: list[Any] = []
     remove = driver.add_observer(events.append)
-    status = 0
     start = time.perf_counter()
-    saved_argv, saved_path = sys.argv, list(sys.path)
-    sys.argv = [args.script, *args.script_args]
-    sys.path.insert(0, os.path.dirname(os.path.abspath(args.script)))
     try:
-        runpy.run_path(args.script, run_name="__main__")
-    except SystemExit as exit_:
-        status = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+        status = _run_script(args.script, args.script_args)
     finally:
-        sys.argv, sys.path[:] = saved_argv, saved_path
         remove()
     seconds = time.perf_counter() - start
     hits = [e for e in events if e.cache_hit]
@@ -312,4 +395,129 @@ def _warm(args: argparse.Namespace) -> int:
         print(f"tpucompile warm: --expect-all-hits, but compiled: {', '.join(e.name for e in misses)}",
               file=sys.stderr)
         return 1
+    return 0
+
+
+def _run_script(script: str, script_args: Sequence[str]) -> int:
+    """Run ``script`` as ``__main__`` in this process (so that its compiles can be observed); returns the
+    status it exited with. Exceptions it raises propagate."""
+    saved_argv, saved_path, saved_cwd = sys.argv, list(sys.path), os.getcwd()
+    sys.argv = [script, *script_args]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as exit_:
+        return exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+    finally:
+        sys.argv, sys.path[:] = saved_argv, saved_path
+        os.chdir(saved_cwd)  # paths given on the command line stay valid after the run
+    return 0
+
+
+# -- dump-hlo -------------------------------------------------------------------------------------------
+
+
+def _dump_hlo(args: argparse.Namespace) -> int:
+    if (args.key or args.diff) and (args.script or args.graph is not None):
+        raise _Failure(2, "--key and --diff read stored programs; they take no script and no --graph")
+    if args.key or args.diff:
+        return _dump_keys(args)
+    if args.script:
+        _dump_script(args)
+    if args.graph is not None:
+        try:
+            sys.stdout.write(dump.stage_text(args.out, args.graph, args.stage or "stablehlo"))
+        except LookupError as error:
+            raise _Failure(EXIT_NO_SUCH_GRAPH, str(error)) from None
+        return 0
+    infos = dump.read_dump(args.out)
+    if not infos:
+        raise _Failure(EXIT_NO_SUCH_GRAPH, f"no dump in {args.out} (make one with: tpucompile dump-hlo SCRIPT.py)")
+    text = (f"{len(infos)} graph{'s' if len(infos) != 1 else ''} dumped to {args.out} "
+            f"(--stage {'|'.join(dump.STAGES)} --graph N prints one)\n{dump.format_summary(infos)}")
+    _emit(args, {"dir": args.out, "graphs": infos}, text)
+    return 0
+
+
+def _dump_script(args: argparse.Namespace) -> None:
+    """Run the script with a dump active, and fail with the matching status when that went wrong."""
+    script = args.script
+    if not os.path.isfile(script):
+        raise _Failure(EXIT_NO_SCRIPT, f"no such script: {script}")
+    if args.dir:
+        os.environ["TPUCOMPILE_CACHE_DIR"] = args.dir
+    try:
+        recorder = dump.start(args.out)
+    except OSError as error:
+        raise _Failure(EXIT_OUT_NOT_WRITABLE, f"cannot write the dump to {args.out}: "
+                                              f"{error.strerror or error}") from None
+    try:
+        with _stdout_to_stderr():
+            status = _run_script(script, args.script_args)
+    except Exception as error:
+        _print_script_traceback(error, script)
+        raise _Failure(EXIT_SCRIPT_FAILED, f"{script} raised {type(error).__name__}: {_first_line(error)}; "
+                                           f"{_kept(recorder.count, args.out)}") from None
+    finally:
+        dump.stop()
+    if status:
+        raise _Failure(EXIT_SCRIPT_FAILED, f"{script} exited with status {status}; "
+                                           f"{_kept(recorder.count, args.out)}")
+    if recorder.count == 0:
+        raise _Failure(EXIT_NOTHING_COMPILED, f"{script} compiled nothing with backend=\"tpucompile\": "
+                                              "no graph to dump")
+
+
+def _kept(count: int, out: str) -> str:
+    return f"{count} graph{'s' if count != 1 else ''} dumped before that, kept in {out}"
+
+
+def _first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else ""
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr() -> Iterator[None]:
+    """Send what the script prints to stderr (file descriptor and all), so stdout carries only the dump."""
+    sys.stdout.flush()
+    try:
+        saved: int | None = os.dup(1)
+        os.dup2(2, 1)
+    except OSError:  # no usable descriptors (an embedded interpreter): redirect Python's writes only
+        saved = None
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        if saved is not None:
+            os.dup2(saved, 1)
+            os.close(saved)
+
+
+def _print_script_traceback(error: BaseException, script: str) -> None:
+    """The script's traceback from its own first frame on (runpy and this command are not the user's)."""
+    tb = error.__traceback__
+    path = os.path.abspath(script)
+    while tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename) != path:
+        tb = tb.tb_next
+    traceback.print_exception(type(error), error, tb, file=sys.stderr)
+
+
+def _dump_keys(args: argparse.Namespace) -> int:
+    """``--key``: one stored program; ``--diff``: how two differ."""
+    options = _options(args)
+    root = options.cache_dir or str(default_root())
+    cache = PersistentCache(root, mode="read-only", remote=options.cache_remote,
+                            remote_timeout=float(options.cache_remote_timeout))
+    try:
+        programs = [dump.stored_program(key, cache, args.out) for key in (args.diff or [args.key])]
+    except LookupError as error:
+        raise _Failure(EXIT_UNKNOWN_KEY, str(error)) from None
+    if args.key:
+        (program,) = programs
+        _emit(args, {"key": program.key, "source": program.source, "stablehlo": program.text}, program.text.rstrip())
+        return 0
+    diff = dump.diff_programs(*programs)
+    _emit(args, {"a": programs[0].key, "b": programs[1].key, "diff": diff}, diff.rstrip())
     return 0

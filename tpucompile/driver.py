@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import logging
 import warnings
 import weakref
@@ -58,6 +59,8 @@ class CompileEvent:
     """For a persistent-cache hit: the compile time recorded with the entry minus the time to load it."""
     program_tier: str | None = None
     """Where the lowered program came from (lowering skipped), or None when the graph was lowered now."""
+    executable: Any = None
+    """The loaded XLA executable (dumps read its optimised HLO)."""
 
 
 Observer = Callable[[CompileEvent], None]
@@ -68,6 +71,24 @@ def add_observer(observer: Observer) -> Callable[[], None]:
     """Call ``observer`` after every graph compile (dumps and tests use it); returns its remover."""
     _observers.append(observer)
     return lambda: _observers.remove(observer) if observer in _observers else None
+
+
+GraphRecorder = Callable[[str, str, torch.fx.GraphModule], None]
+_graph_recorder: GraphRecorder | None = None
+
+
+def set_graph_recorder(recorder: GraphRecorder | None) -> None:
+    """Have ``recorder(name, stage, gm)`` see each graph as it leaves every stage before lowering
+    (``tpucompile.dump`` sets it); None, the default, makes recording a no-op."""
+    global _graph_recorder
+    _graph_recorder = recorder
+
+
+def record_graph(name: str, stage: str, gm: torch.fx.GraphModule) -> None:
+    """Show ``gm`` as it is after ``stage`` to the graph recorder, if one is set."""
+    if _graph_recorder is not None:
+        _graph_recorder(name, stage, gm)
+
 
 _graphs_compiled = 0
 _recent: collections.deque[weakref.ref] = collections.deque(maxlen=64)
@@ -101,7 +122,9 @@ def compile_graph(
     global _graphs_compiled
     _graphs_compiled += 1
     compile_cache.executable_cache().resize(options.executable_cache_size)
-    passes = run_passes(gm, options.embed_constant_limit)
+    record_graph(name, "aot_autograd", gm)
+    after_pass = functools.partial(record_graph, name) if _graph_recorder is not None else None
+    passes = run_passes(gm, options.embed_constant_limit, after_pass)
     unsupported = [n for n in gm.graph.nodes if unsupported_reason(n) is not None]
     data_dependent = [n for n in gm.graph.nodes if has_data_dependent_size(n)]
     if not unsupported and not data_dependent:
@@ -117,6 +140,7 @@ def compile_graph(
         region = f"data_dependent_{index}"
         isolate_node(gm, node, region)
         regions.append(region)
+    record_graph(name, "partitioned", gm)
     for region in regions:
         submodule = getattr(gm, region)
         compiled = _compile_region(submodule, options, f"{name} {region}", [])
@@ -217,7 +241,7 @@ def _notify(
     if _observers:
         event = CompileEvent(
             name, gm, program, loaded.key, loaded.components, loaded.tier is not None, loaded.seconds,
-            loaded.tier, loaded.saved_seconds, program_tier,
+            loaded.tier, loaded.saved_seconds, program_tier, loaded.executable,
         )
         for observer in list(_observers):
             observer(event)

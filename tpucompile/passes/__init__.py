@@ -6,6 +6,7 @@ Each pass is a small function with its own test; ``run_passes`` is the order the
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 import torch.fx
@@ -24,11 +25,24 @@ class PassResult:
     """Constants turned into trailing arguments (see ``lift_large_constants``)."""
 
 
-def run_passes(gm: torch.fx.GraphModule, embed_constant_limit: int) -> PassResult:
-    """Clean ``gm`` in place: drop no-op views and dead code, lift large constants."""
+def run_passes(
+    gm: torch.fx.GraphModule,
+    embed_constant_limit: int,
+    after_pass: Callable[[str, torch.fx.GraphModule], None] | None = None,
+) -> PassResult:
+    """Clean ``gm`` in place: drop no-op views and dead code, lift large constants.
+
+    ``after_pass(name, gm)``, when given, sees the graph after each pass (dumps show every step).
+    """
     remove_noop_views(gm)
+    if after_pass:
+        after_pass("remove_noop_views", gm)
     eliminate_dead_code(gm)
+    if after_pass:
+        after_pass("eliminate_dead_code", gm)
     lifted = lift_large_constants(gm, embed_constant_limit)
+    if after_pass:
+        after_pass("lift_large_constants", gm)
     return PassResult(lifted_constants=lifted)
 
 

@@ -1,9 +1,16 @@
 """Running compiled programs: PJRT targets, compilation, DLPack exchange, per-shape specialisation."""
 
-from tpucompile.runtime.compiler import compile_module
+from tpucompile.runtime.compiler import compile_module, optimized_hlo, unoptimized_hlo
 from tpucompile.runtime.executable import CONSTANT, INPUT, RESULT, SEED_POSITION, TRIMMED, GraphExecutable
 from tpucompile.runtime.specialize import ShapeSpecializer
-from tpucompile.runtime.target import Target, build_flags, compile_options, compile_options_fingerprint, get_target
+from tpucompile.runtime.target import (
+    Target,
+    build_flags,
+    compile_options,
+    compile_options_fingerprint,
+    describe_compile_options,
+    get_target,
+)
 
 __all__ = [
     "CONSTANT",
@@ -18,5 +25,8 @@ __all__ = [
     "compile_module",
     "compile_options",
     "compile_options_fingerprint",
+    "describe_compile_options",
     "get_target",
+    "optimized_hlo",
+    "unoptimized_hlo",
 ]

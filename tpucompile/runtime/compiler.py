@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from jaxlib import xla_client
+
 from tpucompile.errors import CompileError
 from tpucompile.runtime.target import Target, compile_options
 
@@ -12,3 +14,16 @@ def compile_module(module: bytes | str, target: Target, num_partitions: int = 1)
         return target.client.compile_and_load(module, target.device_list(), compile_options(target, num_partitions))
     except Exception as error:  # XlaRuntimeError and friends: keep XLA's words, say whose they are
         raise CompileError(f"XLA failed to compile the lowered program for {target.platform}: {error}") from error
+
+
+def unoptimized_hlo(module: bytes | str) -> str:
+    """XLA HLO of a StableHLO module as XLA's passes first see it (for dumps; compiling does not need it)."""
+    computation = xla_client._xla.mlir.mlir_module_to_xla_computation(
+        module, use_tuple_args=False, return_tuple=False
+    )
+    return computation.get_hlo_module().to_string()
+
+
+def optimized_hlo(executable: object) -> str:
+    """The HLO modules of a compiled executable, after XLA's optimisation passes (for dumps)."""
+    return "\n".join(module.to_string() for module in executable.hlo_modules())

@@ -100,3 +100,22 @@ def compile_options_fingerprint(options: object) -> bytes:
             value = getattr(debug, name)
             setattr(debug, name, type(value)())
     return copy.SerializeAsString()
+
+
+_BUILD_OPTION_FIELDS = ("num_replicas", "num_partitions", "use_spmd_partitioning", "use_shardy_partitioner",
+                        "use_auto_spmd_partitioning", "optimization_level", "memory_fitting_level",
+                        "exec_time_optimization_effort", "memory_fitting_effort", "device_assignment",
+                        "result_layout")
+
+
+def describe_compile_options(options: object) -> str:
+    """``options`` as readable text (dumps): the options a compile used, with XLA's full debug options."""
+    build = options.executable_build_options
+    lines = [f"{name}: {getattr(options, name)!r}"
+             for name in ("num_replicas", "num_partitions", "parameter_is_tupled_arguments", "profile_version")]
+    lines.append("executable_build_options:")
+    lines += [f"  {name}: {getattr(build, name, None)!r}" for name in _BUILD_OPTION_FIELDS]
+    lines.append("debug_options:")
+    debug = str(build.debug_options).splitlines()  # text format, after a "goo.gle/debugonly" marker line
+    lines += [f"  {line.rstrip()}" for line in debug if line.strip() and not line.startswith("goo.gle")]
+    return "\n".join(lines) + "\n"
