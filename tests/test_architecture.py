@@ -1,4 +1,4 @@
-"""Imports flow one way through the pipeline: backend and cli → dump → driver → passes → lowering → cache → runtime.
+"""Imports flow one way: backend and cli → dump → aot_cache → driver → passes → lowering → cache → runtime.
 
 A package may import itself, the packages below it, and the leaf modules (config, errors, diagnostics).
 ``cache`` knows bytes and keys, never torch.
@@ -12,7 +12,10 @@ import pathlib
 import pytest
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "tpucompile"
-ORDER = ["__main__", "backend", "cli", "dump", "driver", "compile_cache", "passes", "lowering", "cache", "runtime"]
+ORDER = [
+    "__main__", "backend", "cli", "dump", "aot_cache", "driver", "compile_cache", "passes", "lowering", "cache",
+    "runtime",
+]
 LEAVES = {"config", "errors", "diagnostics", "__init__"}
 
 

@@ -3,7 +3,8 @@
 Dynamo hands us an FX graph of torch-level ops. AOTAutograd functionalises it and, with our decomposition
 table, turns it into ATen graphs: one for inference, or a forward and a backward for training. Each ATen graph
 is compiled by ``driver.compile_graph``. Input mutations (BatchNorm running stats, in-place updates of
-buffers) are returned by the functional graph and written back by AOTAutograd's runtime wrapper.
+buffers) are returned by the functional graph and written back by AOTAutograd's runtime wrapper. On a warm
+start, a graph whose plan is cached skips AOTAutograd altogether (``aot_cache``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 import torch.fx
 from torch._dynamo.backends.common import aot_autograd
 
-from tpucompile import dump
+from tpucompile import aot_cache, dump
 from tpucompile.config import Options
 from tpucompile.driver import compile_graph, record_graph
 from tpucompile.passes import decomposition_table, rewrite_attention
@@ -38,9 +39,20 @@ def tpucompile_backend(
     if rewrite_attention(gm):
         record_graph(f"graph {index}", "fx_rewrite_attention", gm)
 
+    recorder = None
+    components = aot_cache.plan_components(gm, example_inputs, config)
+    if components is not None and not dump.active():
+        compiled = aot_cache.compiled_from_plan(components, config, f"graph {index}")
+        if compiled is not None:
+            return compiled
+        recorder = aot_cache.PlanRecorder(components, config, len(example_inputs))
+
     def compiler(role: str) -> Callable[[torch.fx.GraphModule, list[Any]], Callable]:
         def compile_role(aten_gm: torch.fx.GraphModule, aten_inputs: list[Any]) -> Callable:
-            return compile_graph(aten_gm, aten_inputs, config, f"graph {index} ({role})")
+            compiled = compile_graph(aten_gm, aten_inputs, config, f"graph {index} ({role})")
+            if recorder is not None:
+                recorder.record(role, aten_gm, compiled)
+            return compiled
 
         return compile_role
 

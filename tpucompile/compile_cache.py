@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import logging
 import math
 import os
@@ -55,6 +56,7 @@ _LOWERING_DIR = pathlib.Path(__file__).resolve().parent / "lowering"
 
 _executables: MemoryStore[Any] = MemoryStore(Options().executable_cache_size)
 _programs: MemoryStore[tuple[LoweredProgram, str]] = MemoryStore(Options().executable_cache_size)
+_plans: MemoryStore[dict[str, Any]] = MemoryStore(Options().executable_cache_size)
 _caches: dict[tuple, PersistentCache | None] = {}
 
 
@@ -118,12 +120,13 @@ def clear_memory() -> None:
     """Forget every loaded executable and lowered program of this process (tests, benchmarks)."""
     _executables.clear()
     _programs.clear()
+    _plans.clear()
 
 
 # -- the program layer ----------------------------------------------------------------------------------
 
 
-class _Uncacheable(Exception):
+class Uncacheable(Exception):
     """The graph holds something without a canonical encoding; it is lowered without the program cache."""
 
 
@@ -135,15 +138,15 @@ def graph_fingerprint(gm: torch.fx.GraphModule, bindings: ShapeBindings) -> tupl
         record: dict[str, Any] = {"op": node.op, "name": node.name}
         if node.op in ("call_function", "call_method"):
             record["target"] = diagnostics.op_name(node.target)
-            record["args"] = _encode(node.args, bindings)
-            record["kwargs"] = _encode(dict(node.kwargs), bindings)
+            record["args"] = encode_argument(node.args, bindings)
+            record["kwargs"] = encode_argument(dict(node.kwargs), bindings)
         elif node.op == "output":
-            record["args"] = _encode(node.args, bindings)
+            record["args"] = encode_argument(node.args, bindings)
         elif node.op == "get_attr":
             record["target"] = str(node.target)
-            record["value"] = _encode_constant(getattr(gm, str(node.target), None))
+            record["value"] = encode_constant(getattr(gm, str(node.target), None))
         elif node.op != "placeholder":
-            raise _Uncacheable(f"node kind {node.op}")
+            raise Uncacheable(f"node kind {node.op}")
         record["val"] = _encode_val(node.meta.get("val"), bindings)
         nodes.append(record)
         where = diagnostics.source_location(node)
@@ -151,7 +154,7 @@ def graph_fingerprint(gm: torch.fx.GraphModule, bindings: ShapeBindings) -> tupl
     return digest(canonical_json({"nodes": nodes})), digest(canonical_json({"locations": locations}))
 
 
-def _encode(value: Any, bindings: ShapeBindings) -> Any:
+def encode_argument(value: Any, bindings: ShapeBindings) -> Any:
     """A typed, JSON-able encoding of a node argument (never an object id or repr of an arbitrary object)."""
     if isinstance(value, torch.fx.Node):
         return {"node": value.name}
@@ -165,22 +168,22 @@ def _encode(value: Any, bindings: ShapeBindings) -> Any:
         return {"str": value}
     if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
         try:
-            return _encode(bindings.resolve(value), bindings)
+            return encode_argument(bindings.resolve(value), bindings)
         except Exception as error:
-            raise _Uncacheable(f"unresolvable size {value}") from error
+            raise Uncacheable(f"unresolvable size {value}") from error
     if isinstance(value, (list, tuple)):
-        return {type(value).__name__: [_encode(v, bindings) for v in value]}
+        return {type(value).__name__: [encode_argument(v, bindings) for v in value]}
     if isinstance(value, dict):
-        return {"dict": [[str(k), _encode(v, bindings)] for k, v in sorted(value.items())]}
+        return {"dict": [[str(k), encode_argument(v, bindings)] for k, v in sorted(value.items())]}
     if isinstance(value, torch.dtype):
         return {"dtype": str(value)}
     if isinstance(value, (torch.device, torch.layout, torch.memory_format)):
         return {type(value).__name__: str(value)}
     if isinstance(value, slice):
-        return {"slice": [_encode(v, bindings) for v in (value.start, value.stop, value.step)]}
+        return {"slice": [encode_argument(v, bindings) for v in (value.start, value.stop, value.step)]}
     if isinstance(value, torch._ops.OpOverload):
         return {"op": str(value)}
-    raise _Uncacheable(f"argument of type {type(value).__name__}")
+    raise Uncacheable(f"argument of type {type(value).__name__}")
 
 
 def _encode_val(val: Any, bindings: ShapeBindings) -> Any:
@@ -189,8 +192,8 @@ def _encode_val(val: Any, bindings: ShapeBindings) -> Any:
     if isinstance(val, (list, tuple)):
         return {"list": [_encode_val(v, bindings) for v in val]}
     try:
-        return _encode(val, bindings)
-    except _Uncacheable:
+        return encode_argument(val, bindings)
+    except Uncacheable:
         return {"type": type(val).__name__}
 
 
@@ -202,9 +205,9 @@ def _encode_size(size: Any, bindings: ShapeBindings) -> Any:
         return "?"
 
 
-def _encode_constant(value: Any) -> Any:
+def encode_constant(value: Any) -> Any:
     if not isinstance(value, torch.Tensor):
-        raise _Uncacheable(f"attribute of type {type(value).__name__}")
+        raise Uncacheable(f"attribute of type {type(value).__name__}")
     # AOTAutograd calls the compiler with its fake mode active; a real constant must stay real here.
     with unset_fake_temporarily():
         data = value.detach().cpu().contiguous().reshape(-1)
@@ -225,32 +228,22 @@ def lowered_program(
 
     try:
         graph, locations = graph_fingerprint(gm, bindings)
-    except _Uncacheable as why:
+    except Uncacheable as why:
         log.debug("tpucompile: program cache skipped (%s)", why)
         program = lower()
         return program, digest(program.text(debug_info=False)), None
     components = program_key_components(graph, environment(target), locations)
     components["torch"] = torch.__version__  # lowering rules lean on torch's promotion and shape helpers
     key = cache_key(components)
-    cached = _programs.get(key)
-    if cached is not None:
-        return cached[0], cached[1], "memory"
-    cache = persistent_cache(options)
-    found = cache.get(key) if cache is not None else None
+    found = program_from_key(key, options)
     if found is not None:
-        entry, tier = found
-        try:
-            start = time.perf_counter()
-            program = _program_from_entry(entry)
-            _programs.put(key, (program, entry.metadata["program_sha256"]))
-            cache.record_hit(key, entry.compile_seconds - (time.perf_counter() - start), "program")
-            return program, entry.metadata["program_sha256"], tier
-        except Exception as error:  # valid bytes, unusable content: never serve it
-            cache.quarantine(key, f"program entry does not load: {type(error).__name__}: {error}")
+        return found
+    cache = persistent_cache(options)
     start = time.perf_counter()
     program = lower()
     seconds = time.perf_counter() - start
     program_sha256 = digest(program.text(debug_info=False))
+    program.cache_key = key
     _programs.put(key, (program, program_sha256))
     metadata = _program_metadata(program, program_sha256)
     if cache is not None:
@@ -258,6 +251,30 @@ def lowered_program(
         if metadata is not None:
             cache.put(Entry.create(components, program.bytecode(), metadata, seconds))
     return program, program_sha256, None
+
+
+def program_from_key(key: str, options: Options) -> tuple[LoweredProgram, str, str] | None:
+    """(program, SHA-256 of its text without locations, tier) for a stored program key, or None."""
+    cached = _programs.get(key)
+    if cached is not None:
+        return cached[0], cached[1], "memory"
+    cache = persistent_cache(options)
+    found = cache.get(key) if cache is not None else None
+    if found is None:
+        return None
+    entry, tier = found
+    try:
+        start = time.perf_counter()
+        if entry.kind != "program":
+            raise ValueError(f"entry of kind {entry.kind!r}")
+        program = _program_from_entry(entry)
+        program.cache_key = key
+        _programs.put(key, (program, entry.metadata["program_sha256"]))
+        cache.record_hit(key, entry.compile_seconds - (time.perf_counter() - start), "program")
+        return program, entry.metadata["program_sha256"], tier
+    except Exception as error:  # valid bytes, unusable content: never serve it
+        cache.quarantine(key, f"program entry does not load: {type(error).__name__}: {error}")
+        return None
 
 
 def _spec_json(spec: TensorSpec) -> list:
@@ -426,3 +443,41 @@ def _miss_message(name: str, key: str, components: Mapping[str, Any], cache: Per
         "compiling (warm the cache with `tpucompile warm SCRIPT.py`, or use cache_mode='read-write')"
     )
 
+
+
+# -- the plan layer ---------------------------------------------------------------------------------------
+
+
+def load_plan(components: Mapping[str, Any], options: Options) -> tuple[dict[str, Any], str] | None:
+    """(plan, tier) stored under ``components``' key (see ``tpucompile.aot_cache``), or None."""
+    key = cache_key(components)
+    plan = _plans.get(key)
+    if plan is not None:
+        return plan, "memory"
+    cache = persistent_cache(options)
+    found = cache.get(key) if cache is not None else None
+    if found is None:
+        return None
+    entry, tier = found
+    try:
+        if entry.kind != "plan":
+            raise ValueError(f"entry of kind {entry.kind!r}")
+        plan = json.loads(entry.payload)
+        if not isinstance(plan, dict):
+            raise ValueError("payload is not a JSON object")
+    except Exception as error:
+        cache.quarantine(key, f"plan entry does not load: {type(error).__name__}: {error}")
+        return None
+    _plans.put(key, plan)
+    cache.record_hit(key, entry.compile_seconds, "plan")
+    return plan, tier
+
+
+def store_plan(components: Mapping[str, Any], plan: dict[str, Any], seconds: float, options: Options) -> None:
+    """Keep ``plan`` in memory and, when the cache is writable, as a JSON entry (never pickle)."""
+    _plans.put(cache_key(components), plan)
+    cache = persistent_cache(options)
+    if cache is not None:
+        cache.record_miss("plan")
+        if cache.writable:
+            cache.put(Entry.create(dict(components), canonical_json(plan), {}, seconds))

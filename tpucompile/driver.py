@@ -45,7 +45,8 @@ class CompileEvent:
     """What one compile of one graph specialisation produced; handed to every observer."""
 
     name: str
-    graph: torch.fx.GraphModule
+    graph: torch.fx.GraphModule | None
+    """The ATen graph compiled; None when a warm start rebuilt it from a cached plan without AOTAutograd."""
     program: LoweredProgram
     key: str
     key_components: dict[str, Any]
@@ -207,16 +208,7 @@ def _compile_region(
         program, program_sha256, program_tier = compile_cache.lowered_program(gm, bindings, target, options)
         loaded = compile_cache.load_executable(program, program_sha256, target, options, name)
         _notify(name, gm, program, loaded, program_tier)
-        executable = GraphExecutable(
-            loaded.executable,
-            target.device,
-            [SEED_POSITION if p == LOWERED_SEED_POSITION else p for p in program.input_positions],
-            _output_plan(program),
-            lifted_constants,
-            len(program.result_specs),
-        )
-        _recent.append(weakref.ref(executable))
-        return executable
+        return _executable(program, loaded, target, lifted_constants)
 
     if not any(is_symbolic(m) for m in metas):
         return build(ShapeBindings())
@@ -231,9 +223,39 @@ def _compile_region(
     return ShapeSpecializer(name, build_for_call, names, options.max_shape_specializations)
 
 
+def load_compiled_graph(program_key: str, options: Options, name: str) -> GraphExecutable | None:
+    """The executable of a graph compiled before, rebuilt from its stored program alone (a warm start that
+    skips AOTAutograd has no ATen graph); None when the program is no longer stored."""
+    target = get_target(options.platform)
+    found = compile_cache.program_from_key(program_key, options)
+    if found is None:
+        return None
+    program, program_sha256, program_tier = found
+    loaded = compile_cache.load_executable(program, program_sha256, target, options, name)
+    _notify(name, None, program, loaded, program_tier)
+    return _executable(program, loaded, target, [])
+
+
+def _executable(
+    program: LoweredProgram, loaded: compile_cache.LoadedExecutable, target: Any, lifted_constants: list
+) -> GraphExecutable:
+    executable = GraphExecutable(
+        loaded.executable,
+        target.device,
+        [SEED_POSITION if p == LOWERED_SEED_POSITION else p for p in program.input_positions],
+        _output_plan(program),
+        lifted_constants,
+        len(program.result_specs),
+    )
+    # Only a program that needs nothing but its arguments can be rebuilt from its key alone.
+    executable.program_key = None if lifted_constants else program.cache_key
+    _recent.append(weakref.ref(executable))
+    return executable
+
+
 def _notify(
     name: str,
-    gm: torch.fx.GraphModule,
+    gm: torch.fx.GraphModule | None,
     program: LoweredProgram,
     loaded: compile_cache.LoadedExecutable,
     program_tier: str | None,

@@ -182,6 +182,11 @@ _remove_observer: Callable[[], None] | None = None
 _environment_failed = False
 
 
+def active() -> bool:
+    """Whether a dump is recording (warm starts then take the path that shows every stage)."""
+    return _active is not None
+
+
 def start(root: str | os.PathLike[str]) -> Recorder:
     """Dump every graph compiled from now on to ``root`` (replacing an earlier dump there); the active
     recorder when one is running already. Raises ``OSError`` when ``root`` is not a writable directory."""

@@ -8,7 +8,14 @@ import socket
 import pytest
 from cache_helpers import finish, start_workload, workload_env
 
-from tpucompile.cache import ENVIRONMENT_COMPONENTS, cache_key, canonical_json, differing_components
+from tpucompile.cache import (
+    ENVIRONMENT_COMPONENTS,
+    LocalStore,
+    cache_key,
+    canonical_json,
+    decode,
+    differing_components,
+)
 from tpucompile.runtime import build_flags, compile_options, compile_options_fingerprint, get_target
 
 
@@ -31,6 +38,19 @@ def test_same_keys_across_processes_hash_seeds_and_directories(two_runs):
     assert all(e["tier"] is None for e in first["events"] + second["events"]), "separate caches: all compiled"
     assert [e["key"] for e in first["events"]] == [e["key"] for e in second["events"]]
     assert len(first["events"]) == 2  # forward and backward
+
+
+def test_plan_keys_match_across_processes_and_hold_no_paths(two_runs):
+    tmp_path, _ = two_runs
+    plans = []
+    for index in range(2):
+        store = LocalStore(tmp_path / f"cache{index}")
+        entries = [decode(store.read(key), key) for key in store.list_keys()]
+        plans.append({e.key: e.components for e in entries if e.kind == "plan"})
+    assert len(plans[0]) == 1 and plans[0].keys() == plans[1].keys()
+    text = canonical_json(next(iter(plans[0].values()))).decode()
+    for private in (str(tmp_path), os.path.expanduser("~"), socket.gethostname(), os.getcwd()):
+        assert private not in text, private
 
 
 def test_components_hold_no_paths_hosts_or_pids(two_runs):

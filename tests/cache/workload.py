@@ -57,7 +57,7 @@ def main() -> None:
         "ok": bool(ok),
         "events": [
             {"name": e.name, "key": e.key, "tier": e.tier, "program_tier": e.program_tier,
-             "components": e.key_components}
+             "components": e.key_components, "traced": e.graph is not None}
             for e in events
         ],
     }))

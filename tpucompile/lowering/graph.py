@@ -59,6 +59,8 @@ class LoweredProgram:
     the seed of a program with random ops (the runtime draws a fresh one from torch on every call)."""
     result_specs: list[TensorSpec]
     output_plan: list[OutputSlot]
+    cache_key: str | None = None
+    """The key the program cache stores it under (set by the cache; None when the graph is uncacheable)."""
 
     def text(self, debug_info: bool = True) -> str:
         """StableHLO text; with ``debug_info`` it carries the user's source locations."""

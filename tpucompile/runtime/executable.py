@@ -47,6 +47,8 @@ class GraphExecutable:
         self.output_plan = list(output_plan)
         self.constants = list(constants)
         self._buffer_cache: list[tuple | None] = [None] * len(self.input_positions)
+        self.program_key: str | None = None
+        """The program cache key this executable was built from, when it can be rebuilt from it alone."""
         self._results_in_order = self.output_plan == [(RESULT, i) for i in range(len(self.output_plan))] and (
             result_count is None or result_count == len(self.output_plan)
         )

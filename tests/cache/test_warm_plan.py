@@ -1,0 +1,138 @@
+"""Warm starts skip AOTAutograd: a cached plan rebuilds the compiled graph from its programs alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from cache_helpers import run_workload, workload_env
+
+from tpucompile import compile_cache, driver
+from tpucompile.cache import LocalStore, decode
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("TPUCOMPILE_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.GELU(), torch.nn.Linear(12, 3))
+
+
+def _train_step(model, x, compile_it: bool):
+    """Loss and gradients of one step, with the events of what tpucompile compiled or loaded."""
+    compile_cache.clear_memory()  # a fresh start as far as tpucompile is concerned: only the disk is warm
+    torch._dynamo.reset()
+    events = []
+    remove = driver.add_observer(events.append)
+    try:
+        run = torch.compile(model, backend="tpucompile") if compile_it else model
+        model.zero_grad()
+        out = run(x)
+        loss = out.pow(2).sum() + out.detach().sum()  # the second output use is not differentiated
+        loss.backward()
+    finally:
+        remove()
+    return loss.detach(), [p.grad.clone() for p in model.parameters()], events
+
+
+def test_warm_training_step_runs_from_the_plan_without_aot_autograd(cache_dir):
+    model, x = _model(), torch.randn(5, 6)
+    expected_loss, expected_grads, _ = _train_step(model, x, compile_it=False)
+    cold_loss, cold_grads, cold = _train_step(model, x, compile_it=True)
+    warm_loss, warm_grads, warm = _train_step(model, x, compile_it=True)
+    assert [e.graph is not None for e in cold] == [True, True]
+    assert [(e.name.split()[-1], e.graph, e.tier) for e in warm] == [
+        ("(forward)", None, "local"), ("(backward)", None, "local")
+    ]
+    for loss, grads in ((cold_loss, cold_grads), (warm_loss, warm_grads)):
+        torch.testing.assert_close(loss, expected_loss)
+        for got, want in zip(grads, expected_grads, strict=True):
+            torch.testing.assert_close(got, want)
+    store = LocalStore(cache_dir)
+    kinds = sorted(decode(store.read(k), k).kind for k in store.list_keys())
+    assert kinds.count("plan") == 1
+
+
+def test_non_differentiable_outputs_and_unused_gradients(cache_dir):
+    def fn(x, w, b):
+        h = torch.tanh(x @ w)
+        return h, h.argmax(dim=1), (h * b).sum(dim=0)
+
+    x, w, b = torch.randn(5, 4), torch.randn(4, 3, requires_grad=True), torch.randn(3, requires_grad=True)
+    expected = fn(x, w, b)
+    expected[0].sum().backward()
+    want_w, want_b = w.grad.clone(), b.grad
+    for traced in (True, False):
+        compile_cache.clear_memory()
+        torch._dynamo.reset()
+        w.grad = b.grad = None
+        events = []
+        remove = driver.add_observer(events.append)
+        h, index, third = torch.compile(fn, backend="tpucompile")(x, w, b)
+        h.sum().backward()  # no gradient flows into ``third``; ``index`` is not differentiable
+        remove()
+        assert [e.graph is not None for e in events] == [traced, traced]
+        assert not index.requires_grad and third.requires_grad
+        torch.testing.assert_close(index, expected[1])
+        torch.testing.assert_close(third, expected[2].detach())
+        torch.testing.assert_close(w.grad, want_w)
+        torch.testing.assert_close(b.grad, torch.zeros_like(b) if want_b is None else want_b)
+
+
+def test_warm_inference_runs_from_the_plan(cache_dir):
+    model, x = _model(), torch.randn(5, 6)
+    expected = model(x).detach()
+    for traced in (True, False):
+        compile_cache.clear_memory()
+        torch._dynamo.reset()
+        events = []
+        remove = driver.add_observer(events.append)
+        with torch.no_grad():
+            result = torch.compile(model, backend="tpucompile")(x)
+        remove()
+        torch.testing.assert_close(result, expected)
+        assert [e.graph is not None for e in events] == [traced]
+
+
+def test_graphs_with_input_mutations_get_no_plan(cache_dir):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    x = torch.randn(8, 4)
+    for _ in range(2):
+        compile_cache.clear_memory()
+        torch._dynamo.reset()
+        events = []
+        remove = driver.add_observer(events.append)
+        torch.compile(model, backend="tpucompile")(x).sum().backward()
+        remove()
+        assert all(e.graph is not None for e in events), "the running stats update needs AOTAutograd's wrapper"
+    store = LocalStore(cache_dir)
+    assert "plan" not in {decode(store.read(k), k).kind for k in store.list_keys()}
+
+
+def test_corrupt_plan_is_quarantined_and_the_graph_traced_again(cache_dir):
+    model, x = _model(), torch.randn(5, 6)
+    expected_loss, _, _ = _train_step(model, x, compile_it=False)
+    _train_step(model, x, compile_it=True)
+    store = LocalStore(cache_dir)
+    (plan_key,) = [k for k in store.list_keys() if decode(store.read(k), k).kind == "plan"]
+    path = store.path(plan_key)
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0xFF
+    path.write_bytes(bytes(data))
+    loss, _, events = _train_step(model, x, compile_it=True)
+    torch.testing.assert_close(loss, expected_loss)
+    assert all(e.graph is not None for e in events)
+
+
+def test_fresh_process_training_step_skips_aot_autograd(tmp_path):
+    env = workload_env(tmp_path / "cache")
+    cold = run_workload(env, ["--train"])
+    warm = run_workload(env, ["--train"])
+    assert cold["ok"] and warm["ok"]
+    assert [e["traced"] for e in cold["events"]] == [True, True]
+    assert [e["traced"] for e in warm["events"]] == [False, False]
+    assert [e["tier"] for e in warm["events"]] == ["local", "local"]

@@ -1,0 +1,270 @@
+"""Warm starts without AOTAutograd: what AOTAutograd made of a Dynamo graph, cached as a plan.
+
+On a cold start AOTAutograd traces Dynamo's graph (functionalisation, decompositions, and for training the
+joint graph and its partition into forward and backward), which costs about as much as Dynamo's own trace.
+Its output is then lowered and compiled. On a warm start the programs and executables come from the cache,
+but the trace would still run, only to find the same graphs again. This module skips it.
+
+A **plan** records, for one Dynamo graph, the program cache keys of the graphs AOTAutograd produced and how
+to call them: for inference one program that takes Dynamo's arguments and returns its outputs; for training
+a forward that returns the outputs followed by the tensors saved for the backward, and a backward that takes
+the saved tensors and the gradients of the differentiable outputs and returns one gradient per argument.
+Plans are plain JSON entries of the persistent cache (kind ``plan``), keyed by a canonical encoding of the
+Dynamo graph, its example arguments (dtype, shape, strides, ``requires_grad``), grad and autocast modes, the
+options, torch's version and the environment of the other layers.
+
+Only graphs whose AOTAutograd wrappers do nothing but call the compiled graph get a plan: no input mutations,
+no outputs aliasing inputs or intermediates, no effect tokens, no tensor subclasses, no symbolic sizes, no
+duplicated arguments, a single compiled region per graph. Everything else takes the ordinary path, as does
+every graph while a dump is recording (dumps show AOTAutograd's graphs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.fx
+from torch.fx.node import _get_qualified_name
+
+from tpucompile import compile_cache, driver
+from tpucompile.cache import canonical_json, digest
+from tpucompile.config import Options
+from tpucompile.lowering import ShapeBindings
+from tpucompile.runtime import GraphExecutable, get_target
+
+log = logging.getLogger("tpucompile")
+
+PLAN_SCHEMA = 1
+_ROLE_ORDER = ("inference", "forward", "backward")
+
+
+def plan_components(
+    gm: torch.fx.GraphModule, example_inputs: Sequence[Any], options: Options
+) -> dict[str, Any] | None:
+    """The key components of ``gm``'s plan, or None when ``gm`` cannot have one (see the module doc)."""
+    if not example_inputs or not all(isinstance(x, torch.Tensor) for x in example_inputs):
+        return None
+    if any(_is_symbolic(x) or type(x) not in (torch.Tensor, torch.nn.Parameter) for x in example_inputs):
+        return None
+    if len({id(x) for x in example_inputs}) != len(example_inputs):
+        return None  # AOTAutograd dedupes repeated arguments; its wrapper would be needed
+    try:
+        graph = _graph_encoding(gm)
+    except compile_cache.Uncacheable as why:
+        log.debug("tpucompile: no plan for this graph (%s)", why)
+        return None
+    settings = {f.name: getattr(options, f.name) for f in dataclasses.fields(options)
+                if not f.name.startswith("cache_")}
+    return {
+        "kind": "plan",
+        "schema": PLAN_SCHEMA,
+        "graph": digest(canonical_json({"nodes": graph})),
+        "inputs": [_describe(x) for x in example_inputs],
+        "grad_enabled": torch.is_grad_enabled(),
+        "autocast": [torch.is_autocast_enabled("cpu"), str(torch.get_autocast_dtype("cpu"))],
+        "options": {k: v if isinstance(v, (bool, int, float, str, type(None))) else repr(v)
+                    for k, v in sorted(settings.items())},
+        "torch": torch.__version__,
+        **compile_cache.environment(get_target(options.platform)),
+    }
+
+
+def _is_symbolic(tensor: torch.Tensor) -> bool:
+    return any(isinstance(s, torch.SymInt) for s in (*tensor.shape, *tensor.stride()))
+
+
+def _describe(tensor: torch.Tensor) -> list[Any]:
+    return [str(tensor.dtype), list(tensor.shape), list(tensor.stride()), tensor.requires_grad,
+            str(tensor.device.type)]
+
+
+def _graph_encoding(gm: torch.fx.GraphModule) -> list[dict[str, Any]]:
+    """A canonical, typed encoding of a Dynamo graph: ops by qualified name, arguments by value."""
+    bindings = ShapeBindings()
+    nodes = []
+    for node in gm.graph.nodes:
+        record: dict[str, Any] = {"op": node.op, "name": node.name}
+        if node.op == "call_function":
+            record["target"] = _function_name(node.target)
+        elif node.op == "call_method":
+            record["target"] = str(node.target)
+        elif node.op == "get_attr":
+            record["target"] = str(node.target)
+            record["value"] = compile_cache.encode_constant(_attribute(gm, str(node.target)))
+        elif node.op not in ("placeholder", "output"):
+            raise compile_cache.Uncacheable(f"node kind {node.op}")
+        if node.op != "placeholder":
+            record["args"] = compile_cache.encode_argument(node.args, bindings)
+            record["kwargs"] = compile_cache.encode_argument(dict(node.kwargs), bindings)
+        nodes.append(record)
+    return nodes
+
+
+def _function_name(target: Any) -> str:
+    """The importable name of a graph function; anything local or anonymous has no stable identity."""
+    if isinstance(target, torch._ops.OpOverload):
+        return str(target)
+    try:
+        name = _get_qualified_name(target)
+    except Exception as error:
+        raise compile_cache.Uncacheable(f"function {target!r} has no qualified name") from error
+    if "<" in name:
+        raise compile_cache.Uncacheable(f"function {name} is local")
+    return name
+
+
+def _attribute(gm: torch.fx.GraphModule, path: str) -> Any:
+    value: Any = gm
+    for part in path.split("."):
+        value = getattr(value, part)
+    return value
+
+
+# -- recording a plan on a cold start --------------------------------------------------------------------
+
+
+class PlanRecorder:
+    """Collects what the compilers AOTAutograd calls produced, and stores the plan once it is complete."""
+
+    def __init__(self, components: dict[str, Any], options: Options, input_count: int) -> None:
+        self.components = components
+        self.options = options
+        self.input_count = input_count
+        self.roles: dict[str, dict[str, Any]] = {}
+        self.start = time.perf_counter()
+        self.abandoned = False
+
+    def record(self, role: str, gm: torch.fx.GraphModule, compiled: Any) -> None:
+        """Note the graph AOTAutograd compiled for ``role`` and what tpucompile made of it."""
+        if self.abandoned:
+            return
+        why = self._unplannable(role, gm, compiled)
+        if why is not None:
+            log.debug("tpucompile: no plan for this graph (%s)", why)
+            self.abandoned = True
+            return
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        outputs = _outputs(gm)
+        entry: dict[str, Any] = {"program": compiled.program_key, "inputs": len(placeholders),
+                                 "outputs": len(outputs)}
+        if role in ("inference", "forward"):
+            metadata = torch._guards.TracingContext.get().fw_metadata
+            entry["returns"] = metadata.num_forward_returns
+            entry["differentiable"] = [bool(o.requires_grad) for o in metadata.output_info]
+        else:
+            entry["tangents"] = sum(1 for n in placeholders if n.name.startswith("tangents"))
+        self.roles[role] = entry
+        if role == "inference" or role == "backward":
+            self._store()
+
+    def _unplannable(self, role: str, gm: torch.fx.GraphModule, compiled: Any) -> str | None:
+        if not isinstance(compiled, GraphExecutable) or compiled.program_key is None:
+            return "not a single static program"
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        if not all(isinstance(n.meta.get("val"), torch.Tensor) for n in placeholders):
+            return "non-tensor graph inputs"
+        if role == "backward":
+            return None
+        context = torch._guards.TracingContext.try_get()
+        metadata = getattr(context, "fw_metadata", None)
+        if metadata is None:
+            return "no AOTAutograd metadata"
+        if len(placeholders) != self.input_count:
+            return "AOTAutograd changed the arguments"
+        if any(i.mutates_data or i.mutates_metadata for i in metadata.input_info):
+            return "input mutations"
+        if metadata.num_intermediate_bases or metadata.tokens or metadata.num_backward_tokens:
+            return "aliased intermediates or effect tokens"
+        if metadata.num_symints_saved_for_bw or metadata.num_opaque_objects_saved_for_bw:
+            return "sizes or objects saved for the backward"
+        if metadata.is_rng_op_functionalized or metadata.num_outputs_rng_offset:
+            return "functionalised random state"
+        if any(o.output_type.name != "non_alias" or not issubclass(o.raw_type, torch.Tensor)
+               for o in metadata.output_info):
+            return "outputs that alias or are not tensors"
+        if any(type(m).__name__ != "PlainTensorMeta" for m in metadata.subclass_inp_meta or []):
+            return "tensor subclasses"
+        return None
+
+    def _store(self) -> None:
+        if "backward" in self.roles and "forward" not in self.roles:
+            return
+        plan = {"mode": "inference" if "inference" in self.roles else "training", "roles": self.roles}
+        if plan["mode"] == "training":
+            forward, backward = self.roles["forward"], self.roles["backward"]
+            saved = forward["outputs"] - forward["returns"]
+            if backward["inputs"] != saved + backward["tangents"] or backward["outputs"] != self.input_count:
+                log.debug("tpucompile: no plan for this graph (unexpected backward signature)")
+                return
+            if backward["tangents"] != sum(forward["differentiable"]):
+                log.debug("tpucompile: no plan for this graph (tangents do not match differentiable outputs)")
+                return
+        compile_cache.store_plan(self.components, plan, time.perf_counter() - self.start, self.options)
+
+
+def _outputs(gm: torch.fx.GraphModule) -> list[Any]:
+    outputs = gm.graph.output_node().args[0]
+    return list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
+
+
+# -- running a plan on a warm start ------------------------------------------------------------------------
+
+
+def compiled_from_plan(components: dict[str, Any], options: Options, name: str) -> Callable[..., Any] | None:
+    """The callable Dynamo needs for the graph of ``components``, built from a cached plan; None without one."""
+    found = compile_cache.load_plan(components, options)
+    if found is None:
+        return None
+    plan, _ = found
+    try:
+        executables = {
+            role: driver.load_compiled_graph(entry["program"], options, f"{name} ({role})")
+            for role, entry in sorted(plan["roles"].items(), key=lambda item: _ROLE_ORDER.index(item[0]))
+        }
+    except (KeyError, ValueError, TypeError):  # a plan of another shape than this version writes
+        return None
+    if any(e is None for e in executables.values()):
+        return None
+    if plan["mode"] == "inference":
+        return _inference_runner(executables["inference"])
+    return _training_runner(plan["roles"], executables["forward"], executables["backward"])
+
+
+def _inference_runner(executable: GraphExecutable) -> Callable[..., Any]:
+    def run(*args: Any) -> list[Any]:
+        return executable(list(args))
+
+    return run
+
+
+def _training_runner(
+    roles: dict[str, dict[str, Any]], forward: GraphExecutable, backward: GraphExecutable
+) -> Callable[..., Any]:
+    """An autograd.Function over the forward and backward programs, as AOTAutograd's is for plain graphs."""
+    returns = roles["forward"]["returns"]
+    differentiable = roles["forward"]["differentiable"]
+
+    class CompiledGraph(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, *args: Any) -> tuple[Any, ...]:
+            results = forward(list(args))
+            outputs, saved = results[:returns], results[returns:]
+            ctx.save_for_backward(*saved)
+            ctx.mark_non_differentiable(*(o for o, d in zip(outputs, differentiable, strict=True) if not d))
+            return tuple(outputs)
+
+        @staticmethod
+        @torch.autograd.function.once_differentiable
+        def backward(ctx: Any, *grads: Any) -> tuple[Any, ...]:
+            tangents = [g for g, d in zip(grads, differentiable, strict=True) if d]
+            return tuple(backward([*ctx.saved_tensors, *tangents]))
+
+    def run(*args: Any) -> tuple[Any, ...]:
+        return CompiledGraph.apply(*args)
+
+    return run
