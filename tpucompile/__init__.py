@@ -13,19 +13,26 @@ from tpucompile.errors import (
     CompileError,
     LoweringError,
     OptionsError,
+    ShardingError,
     TpuCompileError,
     TpuCompileWarning,
     UnsupportedOpError,
 )
+from tpucompile.sharding import Mesh, ShardPlan, data_parallel, tensor_parallel
 
 __all__ = [
     "CacheMissError",
     "CompileError",
     "LoweringError",
+    "Mesh",
     "Options",
     "OptionsError",
+    "ShardPlan",
+    "ShardingError",
     "TpuCompileError",
     "TpuCompileWarning",
     "UnsupportedOpError",
     "__version__",
+    "data_parallel",
+    "tensor_parallel",
 ]

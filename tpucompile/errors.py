@@ -11,6 +11,10 @@ class OptionsError(TpuCompileError, ValueError):
     """An option passed to ``torch.compile(..., options=...)`` or the environment is invalid."""
 
 
+class ShardingError(OptionsError):
+    """A mesh or sharding plan cannot lay the graph over the devices (raised before anything is compiled)."""
+
+
 class UnsupportedOpError(TpuCompileError, NotImplementedError):
     """The graph holds an ATen op, dtype or argument that tpucompile cannot lower."""
 
