@@ -1,0 +1,150 @@
+"""Compiling for a compile-only target: XLA's executable for devices that are not here, what it needs of each
+chip, and the bytes a host that has those devices loads.
+
+A failure names the graph, the op (from the location every StableHLO op carries, which XLA keeps in its
+HLO metadata) and the target. Two kinds are caught before XLA sees the program: complex128 on a TPU, on
+which libtpu's compiler aborts the whole process on some ops instead of failing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import time
+from typing import Any
+
+from jax.extend.mlir import ir
+
+from tpucompile.errors import CompileError
+from tpucompile.runtime.target import Target, compile_options
+
+
+class TargetCompileError(CompileError):
+    """A graph cannot be compiled for a compile-only target."""
+
+    def __init__(self, message: str, target: str, out_of_memory: bool = False) -> None:
+        super().__init__(message)
+        self.target = target
+        self.out_of_memory = out_of_memory
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetExecutable:
+    """An executable compiled for a target, not loaded."""
+
+    executable: Any
+    seconds: float
+
+    def serialize(self) -> bytes:
+        return self.executable.serialize()
+
+    def report(self) -> dict[str, Any]:
+        """Bytes per chip by use, and flops: what ``dump-hlo`` shows and cache entries keep."""
+        stats = self.executable.get_compiled_memory_stats()
+        memory = {name: int(getattr(stats, f"{name}_size_in_bytes")) for name in
+                  ("argument", "output", "alias", "temp", "generated_code")}
+        memory["peak"] = int(getattr(stats, "peak_memory_in_bytes", 0) or 0) or (
+            memory["argument"] + memory["output"] - memory["alias"] + memory["temp"] + memory["generated_code"])
+        return {"memory": memory, "flops": _flops(self.executable)}
+
+
+def _flops(executable: Any) -> float | None:
+    try:
+        analysis = executable.cost_analysis()
+    except Exception:
+        return None
+    if isinstance(analysis, list):  # one per HLO module on some jaxlib versions
+        analysis = analysis[0] if analysis else {}
+    flops = analysis.get("flops") if isinstance(analysis, dict) else None
+    return float(flops) if flops is not None else None
+
+
+_UNSUPPORTED = {"tpu": {"complex<f64>": "TPUs have no complex128 (use complex64)"}}
+_LOCATION = re.compile(r'loc\("(?P<op>[^"(]+)"\("(?P<file>[^"]+)":(?P<line>\d+):\d+\)\)')
+
+
+def check_supported(module: ir.Module, target: Target, name: str) -> None:
+    """Refuse ``module`` up front when it holds a type ``target``'s compiler cannot take safely."""
+    forbidden = _UNSUPPORTED.get(target.platform)
+    if not forbidden:
+        return
+    for op in _operations(module.operation):
+        types = [str(v.type) for v in (*op.operands, *op.results)]
+        for type_text in types:
+            for element, why in forbidden.items():
+                if element in type_text:
+                    raise TargetCompileError(
+                        f"{name} cannot be compiled for {target.name}: {_where(str(op.location), op.name)} "
+                        f"computes {type_text}; {why}", str(target.name))
+
+
+def _operations(operation: Any) -> Any:
+    for region in operation.regions:
+        for block in region.blocks:
+            for op in block.operations:
+                yield op.operation
+                yield from _operations(op.operation)
+
+
+def _where(location: str, fallback: str) -> str:
+    match = _LOCATION.search(location)
+    if match is None:
+        return fallback
+    return f"{match['op']} at {match['file']}:{match['line']}"
+
+
+def compile_for(module: ir.Module, target: Target, name: str) -> TargetExecutable:
+    """Compile ``module`` (parsed in a jax MLIR context; compile-only clients refuse text and bytes) for
+    ``target``'s devices; ``TargetCompileError`` naming the graph, the op and the target when XLA refuses."""
+    check_supported(module, target, name)
+    start = time.perf_counter()
+    try:
+        if getattr(target.client, "runtime_type", "") == "compile_only_runtime":
+            executable = target.client.compile(module, executable_devices=target.device_list(),
+                                               compile_options=compile_options(target))
+        else:  # a platform of this machine: its client compiles only by loading
+            executable = _Loaded(target.client, target.client.compile_and_load(
+                module.operation.get_asm(enable_debug_info=True), target.device_list(), compile_options(target)))
+    except Exception as error:
+        raise explain(error, target, name, module) from error
+    return TargetExecutable(executable, time.perf_counter() - start)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Loaded:
+    """A loaded executable of a local platform, with a compile-only executable's ``serialize``."""
+
+    client: Any
+    loaded: Any
+
+    def serialize(self) -> bytes:
+        return self.client.serialize_executable(self.loaded)
+
+    def __getattr__(self, attribute: str) -> Any:
+        return getattr(self.loaded, attribute)
+
+
+_OP_NAME = re.compile(r'op_name="(?P<op>[^"]+)"')
+_INSTRUCTION = re.compile(r"%\S+ = (?P<shape>\S+?)(?:\{[^}]*\})? (?P<opcode>[a-z-]+)\(")
+
+
+def explain(error: Exception, target: Target, name: str, module: ir.Module | None = None) -> TargetCompileError:
+    """XLA's refusal to compile ``name`` for ``target``, in words that say which op of the user's code: XLA
+    names the op in its HLO metadata, and the op's location in ``module`` gives the line."""
+    text = str(error).strip()
+    first = text.splitlines()[0] if text else type(error).__name__
+    if "RESOURCE_EXHAUSTED" in text or "Ran out of memory" in text:
+        return TargetCompileError(f"{name} does not fit {target.name}: {first}", str(target.name), True)
+    parts = []
+    op = _OP_NAME.search(text)
+    if op is not None:
+        parts.append(op["op"])
+        locations = (_LOCATION.search(str(o.location)) for o in _operations(module.operation)) if module else ()
+        where = next((m for m in locations if m is not None and m["op"] == op["op"]), None)
+        if where is not None:
+            parts.append(f"at {where['file']}:{where['line']}")
+    instruction = _INSTRUCTION.search(text)
+    if instruction is not None:
+        parts.append(f"({instruction['opcode']} of {instruction['shape']})")
+    where = f": {' '.join(parts)}" if parts else ""
+    return TargetCompileError(f"{name} cannot be compiled for {target.name}{where}: {first}", str(target.name))
