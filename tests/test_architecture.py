@@ -16,7 +16,7 @@ ORDER = [
     "__main__", "backend", "cli", "dump", "aot_cache", "driver", "compile_cache", "passes", "lowering", "cache",
     "runtime",
 ]
-LEAVES = {"config", "errors", "diagnostics", "__init__"}
+LEAVES = {"config", "errors", "diagnostics", "sharding", "targets", "__init__"}
 
 
 def _unit(module: str) -> str:

@@ -10,13 +10,14 @@ to call them: for inference one program that takes Dynamo's arguments and return
 a forward that returns the outputs followed by the tensors saved for the backward, and a backward that takes
 the saved tensors and the gradients of the differentiable outputs and returns one gradient per argument.
 Plans are plain JSON entries of the persistent cache (kind ``plan``), keyed by a canonical encoding of the
-Dynamo graph, its example arguments (dtype, shape, strides, ``requires_grad``), grad and autocast modes, the
-options, torch's version and the environment of the other layers.
+Dynamo graph, a digest of its nodes' source lines (the programs carry them, as in the program layer), its
+example arguments (dtype, shape, strides, ``requires_grad``), grad and autocast modes, the options, torch's
+version and the environment of the other layers.
 
 Only graphs whose AOTAutograd wrappers do nothing but call the compiled graph get a plan: no input mutations,
 no outputs aliasing inputs or intermediates, no effect tokens, no tensor subclasses, no symbolic sizes, no
-duplicated arguments, a single compiled region per graph. Everything else takes the ordinary path, as does
-every graph while a dump is recording (dumps show AOTAutograd's graphs).
+duplicated arguments, a single compiled region per graph, no compile-only targets, no mesh. Everything else takes the
+ordinary path, as does every graph while a dump is recording (dumps show AOTAutograd's graphs).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import torch
 import torch.fx
 from torch.fx.node import _get_qualified_name
 
-from tpucompile import compile_cache, driver
+from tpucompile import compile_cache, diagnostics, driver
 from tpucompile.cache import canonical_json, digest
 from tpucompile.config import Options
 from tpucompile.lowering import ShapeBindings
@@ -49,12 +50,14 @@ def plan_components(
     """The key components of ``gm``'s plan, or None when ``gm`` cannot have one (see the module doc)."""
     if not example_inputs or not all(isinstance(x, torch.Tensor) for x in example_inputs):
         return None
+    if options.targets or options.mesh is not None:  # compile-only targets and sharded programs start from
+        return None  # the ATen graphs (and sharded runs from their own executables): let AOTAutograd make them
     if any(_is_symbolic(x) or type(x) not in (torch.Tensor, torch.nn.Parameter) for x in example_inputs):
         return None
     if len({id(x) for x in example_inputs}) != len(example_inputs):
         return None  # AOTAutograd dedupes repeated arguments; its wrapper would be needed
     try:
-        graph = _graph_encoding(gm)
+        graph, locations = _graph_encoding(gm)
     except compile_cache.Uncacheable as why:
         log.debug("tpucompile: no plan for this graph (%s)", why)
         return None
@@ -64,6 +67,7 @@ def plan_components(
         "kind": "plan",
         "schema": PLAN_SCHEMA,
         "graph": digest(canonical_json({"nodes": graph})),
+        "locations": digest(canonical_json({"locations": locations})),  # the programs carry the user's lines
         "inputs": [_describe(x) for x in example_inputs],
         "grad_enabled": torch.is_grad_enabled(),
         "autocast": [torch.is_autocast_enabled("cpu"), str(torch.get_autocast_dtype("cpu"))],
@@ -83,11 +87,15 @@ def _describe(tensor: torch.Tensor) -> list[Any]:
             str(tensor.device.type)]
 
 
-def _graph_encoding(gm: torch.fx.GraphModule) -> list[dict[str, Any]]:
-    """A canonical, typed encoding of a Dynamo graph: ops by qualified name, arguments by value."""
+def _graph_encoding(gm: torch.fx.GraphModule) -> tuple[list[dict[str, Any]], list[Any]]:
+    """A canonical, typed encoding of a Dynamo graph (ops by qualified name, arguments by value) and the
+    user's source line of each node."""
     bindings = ShapeBindings()
     nodes = []
+    locations = []
     for node in gm.graph.nodes:
+        where = diagnostics.source_location(node)
+        locations.append([where.file, where.line] if where else None)
         record: dict[str, Any] = {"op": node.op, "name": node.name}
         if node.op == "call_function":
             record["target"] = _function_name(node.target)
@@ -102,7 +110,7 @@ def _graph_encoding(gm: torch.fx.GraphModule) -> list[dict[str, Any]]:
             record["args"] = compile_cache.encode_argument(node.args, bindings)
             record["kwargs"] = compile_cache.encode_argument(dict(node.kwargs), bindings)
         nodes.append(record)
-    return nodes
+    return nodes, locations
 
 
 def _function_name(target: Any) -> str:

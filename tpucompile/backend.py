@@ -20,7 +20,7 @@ from torch._dynamo.backends.common import aot_autograd
 from tpucompile import aot_cache, dump
 from tpucompile.config import Options
 from tpucompile.driver import compile_graph, record_graph
-from tpucompile.passes import decomposition_table, rewrite_attention
+from tpucompile.passes import bind_sharding, decomposition_table, dtensor_outputs, rewrite_attention
 
 _graph_counter = itertools.count()
 
@@ -32,7 +32,7 @@ def tpucompile_backend(
     mode: str | None = None,
 ) -> Callable[..., Any]:
     """Entry point Dynamo calls for ``torch.compile(model, backend="tpucompile", options=...)``."""
-    config = Options.from_sources(options)
+    config, example_inputs = bind_sharding(Options.from_sources(options), gm, example_inputs)
     index = next(_graph_counter)
     dump.start_from_environment()
     record_graph(f"graph {index}", "fx", gm)
@@ -59,9 +59,9 @@ def tpucompile_backend(
     # Effect tokens (e.g. the error checks around linalg ops) stay inside the graphs instead of becoming
     # runtime inputs that AOTAutograd passes as None.
     with torch._functorch.config.patch(unlift_effect_tokens=True):
-        return aot_autograd(
+        return dtensor_outputs(config, aot_autograd(
             fw_compiler=compiler("forward"),
             bw_compiler=compiler("backward"),
             inference_compiler=compiler("inference"),
             decompositions=decomposition_table(),
-        )(gm, example_inputs)
+        )(gm, example_inputs))

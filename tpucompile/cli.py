@@ -1,10 +1,13 @@
 """The ``tpucompile`` command (also ``python -m tpucompile``): see what graphs became, manage the compile cache.
 
-    tpucompile dump-hlo SCRIPT.py [--out DIR] [--stage STAGE --graph N] [-- script args...]
+    tpucompile dump-hlo SCRIPT.py [--out DIR] [--target tpu:v5e:2x2] [--stage STAGE --graph N] [-- script args...]
     tpucompile dump-hlo --key KEY | --diff KEY_A KEY_B
-    tpucompile cache ls | stats | verify | prune --max-size 2GB | explain KEY_A KEY_B
-    tpucompile cache export BUNDLE | import BUNDLE
-    tpucompile warm SCRIPT.py [args...] [--expect-all-hits]
+    tpucompile cache ls [--target T] | stats | verify | prune --max-size 2GB | explain KEY_A KEY_B
+    tpucompile cache export BUNDLE [--target T] | import BUNDLE [--target T]
+    tpucompile warm [--target tpu:v5e:2x2 ...] SCRIPT.py [args...] [--expect-all-hits]
+
+``--target`` names a compile-only target (a TPU slice by topology, compiled for without a TPU): every graph
+is also compiled for it and stored in the cache under the key a host of that slice computes.
 
 Every command takes ``--json``. The cache directory and mode come from ``--dir`` or the same
 ``TPUCOMPILE_CACHE_*`` variables the backend reads. Commands that only look at files import neither torch
@@ -27,10 +30,12 @@ from typing import Any
 from tpucompile import dump
 from tpucompile.cache import PersistentCache, default_root, differing_components
 from tpucompile.cache.bundle import BundleError, export_bundle, import_bundle, signing_key
-from tpucompile.cache.entry import CorruptEntryError, decode
+from tpucompile.cache.entry import CorruptEntryError, decode, read_components
 from tpucompile.cache.keys import is_key
 from tpucompile.config import Options, parse_size
 from tpucompile.errors import TpuCompileError
+from tpucompile.targets import label as target_label
+from tpucompile.targets import parse as parse_target
 
 # Exit statuses of ``dump-hlo`` (besides 0, 1 for other errors and 2 for a malformed command line).
 EXIT_NO_SCRIPT = 3
@@ -39,6 +44,7 @@ EXIT_NOTHING_COMPILED = 5
 EXIT_UNKNOWN_KEY = 6
 EXIT_OUT_NOT_WRITABLE = 7
 EXIT_NO_SUCH_GRAPH = 8
+EXIT_TARGET_FAILED = 9
 
 
 class _Failure(Exception):
@@ -86,6 +92,10 @@ examples:
                                                     arguments after "--" are the script's
   tpucompile dump-hlo --key cbe2f006                the StableHLO stored in the cache for a key (prefix)
   tpucompile dump-hlo --diff 98fbe0e8 cbe2f006      why did it recompile? a diff of two keys' StableHLO
+  tpucompile dump-hlo --target tpu:v5e:2x2 train.py will it fit a v5e-4? each graph compiled for that TPU
+                                                    slice (no TPU needed): memory per chip, flops, TPU HLO
+  tpucompile dump-hlo --target tpu:v5e:2x2 --stage optimized --graph 1
+                                                    the optimised TPU HLO of graph 1
   {dump.ENV_VAR}=/tmp/d python train.py     the same dump from any program, without this command
 
 summary of examples/mlp.py (on stdout; the script's own output goes to stderr):
@@ -103,12 +113,14 @@ each graph gets a folder DIR/NNN-ROLE, numbered in compile order (a new run repl
   hlo.txt              XLA HLO before optimisation; hlo_optimized.txt: HLO of the compiled executable
   compile_options.txt  XLA compile options; key.json: the cache key and its components
   info.json            op counts, signature, compile time, cache outcome, fallback ops, source files
+  targets/T/           per --target: its StableHLO, optimised HLO, compile options, key, report.json
 
 exit status:
   0 ok, 1 other error, 2 bad command line, {EXIT_NO_SCRIPT} no such script, \
 {EXIT_SCRIPT_FAILED} the script failed (dumps made so far are kept),
   {EXIT_NOTHING_COMPILED} the script compiled nothing, {EXIT_UNKNOWN_KEY} unknown key, \
-{EXIT_OUT_NOT_WRITABLE} --out is not writable, {EXIT_NO_SUCH_GRAPH} no such graph or stage in the dump
+{EXIT_OUT_NOT_WRITABLE} --out is not writable, {EXIT_NO_SUCH_GRAPH} no such graph or stage in the dump,
+  {EXIT_TARGET_FAILED} a graph does not fit or does not compile for a --target (the summary says which and why)
 """
 
 
@@ -141,11 +153,17 @@ def _parser() -> argparse.ArgumentParser:
                           help="print the StableHLO stored for a cache key (or a unique prefix of one)")
     dump_hlo.add_argument("--diff", nargs=2, metavar=("KEY_A", "KEY_B"),
                           help="unified diff of two keys' StableHLO, without locations (what keys hash)")
+    dump_hlo.add_argument("--target", action="append", dest="targets", metavar="TARGET",
+                          help="also compile every graph for TARGET (repeatable; e.g. tpu:v5e:2x2, no TPU "
+                               "needed): its optimised HLO, memory per chip, flops, whether it fits; with "
+                               "--graph, print that target's stage")
     dump_hlo.set_defaults(script_args=[])
 
     cache = commands.add_parser("cache", help="inspect and manage the persistent compile cache")
     cache_commands = cache.add_subparsers(title="cache commands")
-    command(cache_commands, "ls", _ls, "list the entries of the local cache")
+    ls = command(cache_commands, "ls", _ls, "list the entries of the local cache, with the target each is for")
+    ls.add_argument("--target", action="append", dest="targets", metavar="TARGET",
+                    help="only entries built for TARGET (tpu:v5e:2x2, cpu; repeatable)")
     command(cache_commands, "stats", _stats, "sizes, entry counts, hits, misses, seconds saved")
     command(cache_commands, "verify", _verify, "check every entry; quarantine corrupt ones (exit 1 if any)")
     prune = command(cache_commands, "prune", _prune, "evict the least valuable entries down to a size")
@@ -156,11 +174,18 @@ def _parser() -> argparse.ArgumentParser:
     export = command(cache_commands, "export", _export, "write the local entries to one bundle file")
     export.add_argument("bundle")
     export.add_argument("--key", action="append", dest="keys", help="export only this key (repeatable)")
+    export.add_argument("--target", action="append", dest="targets", metavar="TARGET",
+                        help="export only entries built for TARGET (repeatable)")
     imp = command(cache_commands, "import", _import, "check a bundle and add the entries that fit here")
     imp.add_argument("bundle")
+    imp.add_argument("--target", action="append", dest="targets", metavar="TARGET",
+                     help="also accept entries built for compile-only TARGET (e.g. to re-export them)")
 
     warm = command(commands, "warm", _warm, "run SCRIPT.py with the cache on; report hits, misses, time saved")
     warm.add_argument("--expect-all-hits", action="store_true", help="exit 1 if any graph had to be compiled")
+    warm.add_argument("--target", action="append", dest="targets", metavar="TARGET",
+                      help="also compile every graph for TARGET and store it (repeatable; e.g. tpu:v5e:2x2, "
+                           "compiled without a TPU, for `cache export` to the TPU hosts)")
     warm.add_argument("script")
     warm.add_argument("script_args", nargs=argparse.REMAINDER)
     return parser
@@ -214,6 +239,32 @@ def _environment(options: Options) -> dict[str, Any]:
     return compile_cache.environment(get_target(options.platform))
 
 
+def _target_names(args: argparse.Namespace) -> list[str]:
+    """The ``--target`` names, checked and in their canonical spelling."""
+    return list(dict.fromkeys(str(parse_target(name)) for name in getattr(args, "targets", None) or []))
+
+
+def _use_targets(args: argparse.Namespace) -> list[str]:
+    """Have every graph the script compiles also compiled for ``--target``: checked now (a missing libtpu or
+    an unknown topology fails before the script runs), passed on through ``TPUCOMPILE_TARGETS``."""
+    names = _target_names(args)
+    if names:
+        from tpucompile.runtime.topology import compile_targets
+
+        compile_targets(tuple(names), _options(args).platform)
+        present = [n for n in os.environ.get("TPUCOMPILE_TARGETS", "").split(",") if n.strip()]
+        os.environ["TPUCOMPILE_TARGETS"] = ",".join(dict.fromkeys([*present, *names]))
+    return names
+
+
+def _entry_target(cache: PersistentCache, key: str) -> str:
+    """The target an entry was built for, read from its stored components (``?`` when they cannot be read)."""
+    try:
+        return target_label(read_components(cache.local.path(key)))
+    except CorruptEntryError:
+        return "?"
+
+
 # -- cache commands -------------------------------------------------------------------------------------
 
 
@@ -222,10 +273,16 @@ def _ls(args: argparse.Namespace) -> int:
     if cache.writable:
         cache.reconcile()
     rows = cache.index.rows()
-    lines = [f"{'key':16}  {'kind':10}  {'size':>9}  {'compile s':>9}  {'hits':>5}  created"]
+    for row in rows:
+        row["target"] = _entry_target(cache, row["key"])
+    wanted = _target_names(args)
+    if wanted:
+        rows = [row for row in rows if row["target"] in wanted]
+    width = max([len("target"), *(len(row["target"]) for row in rows)])
+    lines = [f"{'key':16}  {'kind':10}  {'target':{width}}  {'size':>9}  {'compile s':>9}  {'hits':>5}  created"]
     for row in rows:
         created = time.strftime("%Y-%m-%d %H:%M", time.localtime(row["created"]))
-        lines.append(f"{row['key'][:16]}  {row['kind']:10}  {_size(row['size']):>9}  "
+        lines.append(f"{row['key'][:16]}  {row['kind']:10}  {row['target']:{width}}  {_size(row['size']):>9}  "
                      f"{row['compile_seconds']:9.3f}  {row['hits']:5d}  {created}")
     _emit(args, {"dir": str(cache.local.root), "entries": rows}, "\n".join(lines))
     return 0
@@ -329,6 +386,9 @@ def _clip(value: Any) -> str:
 def _export(args: argparse.Namespace) -> int:
     cache = _cache(args)
     keys = [_resolve(cache, k) for k in args.keys] if args.keys else None
+    wanted = _target_names(args)
+    if wanted:
+        keys = [k for k in (keys if keys is not None else cache.local.list_keys()) if _entry_target(cache, k) in wanted]
     key = signing_key()
     manifest = export_bundle(cache, args.bundle, _environment(_options(args)), keys, key)
     count = len(manifest["entries"])
@@ -339,7 +399,13 @@ def _export(args: argparse.Namespace) -> int:
 
 def _import(args: argparse.Namespace) -> int:
     cache = _cache(args)
-    report = import_bundle(cache, args.bundle, _environment(_options(args)), signing_key())
+    environments = [_environment(_options(args))]
+    if _target_names(args):
+        from tpucompile import compile_cache
+        from tpucompile.runtime.topology import compile_targets
+
+        environments += [compile_cache.environment(t) for t in compile_targets(tuple(_target_names(args)))]
+    report = import_bundle(cache, args.bundle, environments, signing_key())
     document = {"imported": report.imported, "already_present": report.already_present,
                 "skipped": report.skipped, "signed": report.signed,
                 "verified_signature": report.verified_signature}
@@ -360,6 +426,7 @@ def _warm(args: argparse.Namespace) -> int:
         os.environ["TPUCOMPILE_CACHE_DIR"] = args.dir
     if os.environ.get("TPUCOMPILE_CACHE_MODE", "") in ("off", ""):
         os.environ["TPUCOMPILE_CACHE_MODE"] = "read-write"
+    targets = _use_targets(args)
     from tpucompile import driver
 
     events: list[Any] = []
@@ -370,6 +437,8 @@ def _warm(args: argparse.Namespace) -> int:
     finally:
         remove()
     seconds = time.perf_counter() - start
+    target_events = [e for e in events if e.target is not None]
+    events = [e for e in events if e.target is None]
     hits = [e for e in events if e.cache_hit]
     misses = [e for e in events if not e.cache_hit]
     tiers = {tier: sum(1 for e in hits if e.tier == tier) for tier in ("memory", "local", "remote")}
@@ -384,18 +453,40 @@ def _warm(args: argparse.Namespace) -> int:
         "seconds_compiling": round(sum(e.compile_seconds for e in misses), 3),
         "wall_seconds": round(seconds, 3),
         "script_status": status,
+        "targets": {name: _target_report([e for e in target_events if e.target == name]) for name in targets},
     }
     text = (f"tpucompile warm: {len(events)} graphs, {len(hits)} hits "
             f"({', '.join(f'{n} {t}' for t, n in tiers.items() if n) or 'none'}), {len(misses)} misses, "
             f"{document['seconds_saved']:.2f} s saved, {document['seconds_compiling']:.2f} s compiling")
+    for name, report in document["targets"].items():
+        text += (f"\n  {name}: {report['graphs']} graphs, {report['hits']} from the cache, {report['compiled']} "
+                 f"compiled and stored ({report['seconds_compiling']:.2f} s), {len(report['failed'])} failed")
     _emit(args, document, text)
     if status:
         return status
-    if args.expect_all_hits and misses:
-        print(f"tpucompile warm: --expect-all-hits, but compiled: {', '.join(e.name for e in misses)}",
-              file=sys.stderr)
+    failed = [e for e in target_events if e.error is not None]
+    for event in failed:
+        print(f"tpucompile warm: {event.error}", file=sys.stderr)
+    if failed:
+        return 1
+    compiled = misses + [e for e in target_events if not e.cache_hit]
+    if args.expect_all_hits and compiled:
+        names = [e.name + (f" for {e.target}" if e.target else "") for e in compiled]
+        print(f"tpucompile warm: --expect-all-hits, but compiled: {', '.join(names)}", file=sys.stderr)
         return 1
     return 0
+
+
+def _target_report(events: list[Any]) -> dict[str, Any]:
+    compiled = [e for e in events if not e.cache_hit and e.error is None]
+    return {
+        "graphs": len(events),
+        "hits": sum(1 for e in events if e.cache_hit),
+        "compiled": len(compiled),
+        "failed": {e.name: e.error for e in events if e.error is not None},
+        "seconds_compiling": round(sum(e.compile_seconds for e in compiled), 3),
+        "keys": [e.key for e in events if e.key],
+    }
 
 
 def _run_script(script: str, script_args: Sequence[str]) -> int:
@@ -424,9 +515,13 @@ def _dump_hlo(args: argparse.Namespace) -> int:
         return _dump_keys(args)
     if args.script:
         _dump_script(args)
+    targets = _target_names(args)
     if args.graph is not None:
+        if len(targets) > 1:
+            raise _Failure(2, "--graph prints one stage of one target: give at most one --target")
         try:
-            sys.stdout.write(dump.stage_text(args.out, args.graph, args.stage or "stablehlo"))
+            sys.stdout.write(dump.stage_text(args.out, args.graph, args.stage or "stablehlo",
+                                             targets[0] if targets else None))
         except LookupError as error:
             raise _Failure(EXIT_NO_SUCH_GRAPH, str(error)) from None
         return 0
@@ -436,6 +531,14 @@ def _dump_hlo(args: argparse.Namespace) -> int:
     text = (f"{len(infos)} graph{'s' if len(infos) != 1 else ''} dumped to {args.out} "
             f"(--stage {'|'.join(dump.STAGES)} --graph N prints one)\n{dump.format_summary(infos)}")
     _emit(args, {"dir": args.out, "graphs": infos}, text)
+    failed = [(info, name, report) for info in infos for name, report in info.get("targets", {}).items()
+              if report.get("error") and (not targets or name in targets)]
+    if failed:
+        info, name, report = failed[0]
+        more = f" (and {len(failed) - 1} more, listed above)" if len(failed) > 1 else ""
+        verb = "does not fit" if report.get("fits") is False else "does not compile for"
+        raise _Failure(EXIT_TARGET_FAILED, f"graph {info['graph']} ({info['role']}) {verb} {name}{more}: "
+                                           f"{report['error']}")
     return 0
 
 
@@ -446,6 +549,7 @@ def _dump_script(args: argparse.Namespace) -> None:
         raise _Failure(EXIT_NO_SCRIPT, f"no such script: {script}")
     if args.dir:
         os.environ["TPUCOMPILE_CACHE_DIR"] = args.dir
+    _use_targets(args)
     try:
         recorder = dump.start(args.out)
     except OSError as error:

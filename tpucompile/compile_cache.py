@@ -8,8 +8,12 @@ Two layers, each memory → local directory → remote (``tpucompile/cache``):
   skips lowering.
 * **executable**: StableHLO → loaded XLA executable. Keyed by the program text without locations, its
   signature, the compile options without debug fields, the XLA flags and the environment (platform and its
-  version, device kind and count, jaxlib, tpucompile and a digest of its lowering sources). Portable across
-  hosts and checkouts: nothing in it is a path, a pid, a time or a hash seed.
+  version, device kind and count, topology, jaxlib, tpucompile and a digest of its lowering sources). Portable
+  across hosts and checkouts: nothing in it is a path, a pid, a time or a hash seed.
+
+A graph is also compiled for every compile-only target in ``options.targets`` (``compile_for_target``): its
+program is lowered for the target's platform (or taken as it is when nothing in it depends on the platform)
+and its executable is stored under the key a host of that target computes, never loaded here.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ from tpucompile.lowering import LoweredProgram, OutputSlot, ShapeBindings, Tenso
 from tpucompile.lowering.context import mlir_context
 from tpucompile.passes import decomposition_table
 from tpucompile.runtime import Target, build_flags, compile_module, compile_options, compile_options_fingerprint
+from tpucompile.runtime.compile_only import TargetCompileError, compile_for
 
 log = logging.getLogger("tpucompile")
 
@@ -74,15 +79,18 @@ def lowering_sources_digest() -> str:
 
 @functools.cache
 def decompositions_digest() -> str:
-    """SHA-256 of the names of the ops AOTAutograd decomposes for us."""
-    return digest("\n".join(sorted(str(op) for op in decomposition_table())))
+    """SHA-256 of the names of the ATen ops AOTAutograd decomposes for us. Ops of other namespaces
+    (``c10d_functional``, ``quantized_decomposed``) join torch's tables only once the modules defining them
+    are imported, which Dynamo does and a bare ``tpucompile cache import`` does not: hashing them would give
+    the same machine two environments."""
+    return digest("\n".join(sorted(str(op) for op in decomposition_table() if str(op).startswith("aten."))))
 
 
 def environment(target: Target) -> dict[str, Any]:
     """Everything about this machine and software that changes compiled code (``ENVIRONMENT_COMPONENTS``)."""
     return {
         **target.describe(),
-        "xla_flags": build_flags(),
+        "xla_flags": build_flags(platform=target.platform),
         "tpucompile": __version__,
         "lowering_sources": lowering_sources_digest(),
         "decompositions": decompositions_digest(),
@@ -217,12 +225,19 @@ def encode_constant(value: Any) -> Any:
 
 
 def lowered_program(
-    gm: torch.fx.GraphModule, bindings: ShapeBindings, target: Target, options: Options
+    gm: torch.fx.GraphModule,
+    bindings: ShapeBindings,
+    target: Target,
+    options: Options,
+    lowered: LoweredProgram | None = None,
 ) -> tuple[LoweredProgram, str, str | None]:
     """The lowered program of ``gm``: (program, SHA-256 of its text without locations, the tier it came
-    from, or None when it was lowered now)."""
+    from, or None when it was lowered now). ``lowered`` is the program of ``gm`` for another target, taken
+    as it is when nothing in it depends on the platform."""
 
     def lower() -> LoweredProgram:
+        if lowered is not None and not jax_bridge.holds_jax_lowerings(lowered.module):
+            return dataclasses.replace(lowered, cache_key=None)
         with jax_bridge.target_platform(target.platform):
             return lower_graph(gm, bindings, verify=options.verify)
 
@@ -481,3 +496,67 @@ def store_plan(components: Mapping[str, Any], plan: dict[str, Any], seconds: flo
         cache.record_miss("plan")
         if cache.writable:
             cache.put(Entry.create(dict(components), canonical_json(plan), {}, seconds))
+
+
+# -- compile-only targets ---------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetOutcome:
+    """What compiling one program for one compile-only target gave."""
+
+    target: str
+    key: str
+    components: dict[str, Any]
+    tier: str | None
+    """"local" or "remote" when the cache held the executable already; None when it was compiled now."""
+    seconds: float
+    saved_seconds: float
+    report: dict[str, Any]
+    """Bytes per chip by use and flops (from the compile, or as recorded with the cached entry)."""
+    executable: Any = None
+    """The (unloaded) executable, when it was compiled in this process."""
+    error: TargetCompileError | None = None
+    """Why the target's compiler refused the program (nothing is stored then)."""
+
+
+def compile_for_target(
+    program: LoweredProgram, program_sha256: str, target: Target, options: Options, name: str,
+    keep_executable: bool = False,
+) -> TargetOutcome:
+    """The executable of ``program`` for compile-only ``target``, from the cache or compiled now and stored
+    under the key a host of that target computes for it. ``keep_executable`` compiles even on a hit, so that
+    the caller can read the optimised HLO (the executable cannot be loaded here)."""
+    components = executable_components(program, program_sha256, target)
+    key = cache_key(components)
+    start = time.perf_counter()
+    cache = persistent_cache(options)
+    found = cache.get(key) if cache is not None else None
+    if found is not None and not keep_executable:
+        entry, tier = found
+        cache.record_hit(key, entry.compile_seconds)
+        return TargetOutcome(str(target.name), key, components, tier, time.perf_counter() - start,
+                             entry.compile_seconds, dict(entry.metadata.get("report") or {}))
+    if found is None and options.cache_mode == "strict":
+        raise CacheMissError(_miss_message(f"{name} for {target.name}", key, components, cache))
+    with mlir_context():
+        module = ir.Module.parse(program.bytecode())  # a copy: compiling may change the module it is given
+    try:
+        compiled = compile_for(module, target, name)
+    except TargetCompileError as error:
+        return TargetOutcome(str(target.name), key, components, None, time.perf_counter() - start, 0.0, {},
+                             error=error)
+    report = compiled.report()
+    if found is not None:
+        entry, tier = found
+        cache.record_hit(key, entry.compile_seconds)
+        return TargetOutcome(str(target.name), key, components, tier, time.perf_counter() - start,
+                             entry.compile_seconds, report, compiled.executable)
+    if cache is not None:
+        cache.record_miss()
+        if cache.writable:
+            cache.put(Entry.create(components, compiled.serialize(),
+                                   {"name": name, "target": target.name, "report": report}, compiled.seconds))
+    log.debug("%s: compiled for %s in %.1f ms (key %s)", name, target.name, compiled.seconds * 1e3, key[:12])
+    return TargetOutcome(str(target.name), key, components, None, time.perf_counter() - start, 0.0, report,
+                         compiled.executable)

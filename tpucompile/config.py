@@ -12,6 +12,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from tpucompile.errors import OptionsError
+from tpucompile.sharding import Mesh, ShardPlan, mesh_option, shard_option
+from tpucompile.targets import parse as parse_target
 
 ENV_PREFIX = "TPUCOMPILE_"
 
@@ -22,6 +24,10 @@ class Options:
 
     platform: str | None = None
     """PJRT platform to compile for and run on ("cpu", "cuda", "tpu"); None takes jax's default backend."""
+
+    targets: tuple[str, ...] = ()
+    """Extra targets every graph is also compiled for and stored in the cache, never run here: TPU slices by
+    topology ("tpu:v5e:2x2", compiled without a TPU) or other platforms of this machine ("cuda")."""
 
     embed_constant_limit: int = 1024
     """Tensor constants with at most this many elements are embedded in the program; larger ones are passed
@@ -59,6 +65,27 @@ class Options:
 
     cache_remote_timeout: int = 3
     """Seconds one remote cache operation may take before the remote tier is skipped for a while."""
+
+    mesh: Mesh | None = None
+    """Run each graph as one SPMD program over a device mesh (``tpucompile.Mesh({"data": 2, "model": 4})``,
+    or ``"data=2,model=4"``); None runs on one device."""
+
+    shard: ShardPlan | None = None
+    """How parameters and inputs are laid over ``mesh``: a ``ShardPlan`` (``data_parallel(mesh)``,
+    ``tensor_parallel(mesh, ...)``) or a mapping of names to dims such as ``{"idx": ("data", None)}``. Anything
+    it does not name is replicated. ``DTensor`` inputs need no plan: their placements are read as one."""
+
+    coordinator: str | None = None
+    """``host:port`` of the ``jax.distributed`` coordinator when ``num_processes`` > 1; None takes
+    ``MASTER_ADDR`` and ``MASTER_PORT`` + 1 (torch.distributed's store has ``MASTER_PORT``), then jax's own
+    detection."""
+
+    num_processes: int = 1
+    """How many processes (hosts) share the mesh; above 1, ``jax.distributed`` is initialised before the first
+    compile."""
+
+    process_id: int | None = None
+    """This process's index among ``num_processes``; None takes ``RANK``, then jax's own detection."""
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -113,8 +140,23 @@ def _check_type(name: str, value: Any, annotation: str) -> Any:
         raise OptionsError(f"tpucompile option {name!r} must be a non-negative int, got {value!r}")
     if annotation == "str | None" and value is not None and not isinstance(value, str):
         raise OptionsError(f"tpucompile option {name!r} must be a string, got {value!r}")
+    if annotation == "int | None" and value is not None and (
+        isinstance(value, bool) or not isinstance(value, int) or value < 0
+    ):
+        raise OptionsError(f"tpucompile option {name!r} must be a non-negative int or None, got {value!r}")
+    if name == "num_processes" and value < 1:
+        raise OptionsError(f"tpucompile option 'num_processes' must be at least 1, got {value!r}")
+    if annotation == "tuple[str, ...]":
+        names = value.split(",") if isinstance(value, str) else value
+        if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+            raise OptionsError(f"tpucompile option {name!r} must be a list of target names, got {value!r}")
+        return tuple(dict.fromkeys(str(parse_target(n)) for n in names if n.strip()))
     if name == "cache_max_size" and value is not None:
         parse_size(value)
+    if name == "mesh":
+        return mesh_option(value)
+    if name == "shard":
+        return shard_option(value)
     return value
 
 
@@ -127,7 +169,7 @@ def _parse_env(name: str, raw: str, annotation: str) -> Any:
         if lowered in ("0", "false", "no", "off"):
             return False
         raise OptionsError(f"{var}={raw!r} is not a boolean (use 1/0, true/false)")
-    if annotation == "int":
+    if annotation in ("int", "int | None"):
         try:
             return _check_type(name, int(raw), annotation)
         except ValueError:

@@ -21,11 +21,12 @@ import torch.fx
 from tpucompile import compile_cache, diagnostics
 from tpucompile.cache import MemoryStore
 from tpucompile.config import Options
-from tpucompile.errors import TpuCompileWarning, UnsupportedOpError
+from tpucompile.errors import CompileError, LoweringError, TpuCompileWarning, UnsupportedOpError
 from tpucompile.lowering import LoweredProgram, ShapeBindings, is_symbolic
 from tpucompile.lowering.graph import SEED_POSITION as LOWERED_SEED_POSITION
 from tpucompile.lowering.graph import has_data_dependent_size, unsupported_reason
-from tpucompile.passes import isolate_node, partition_supported, run_passes
+from tpucompile.lowering.sharding import program_shardings
+from tpucompile.passes import isolate_node, partition_supported, record_layouts, run_passes
 from tpucompile.runtime import (
     CONSTANT,
     INPUT,
@@ -34,8 +35,11 @@ from tpucompile.runtime import (
     TRIMMED,
     GraphExecutable,
     ShapeSpecializer,
+    ShardedExecutable,
+    get_mesh_target,
     get_target,
 )
+from tpucompile.runtime.topology import compile_targets, spanning
 
 log = logging.getLogger("tpucompile")
 
@@ -61,7 +65,16 @@ class CompileEvent:
     program_tier: str | None = None
     """Where the lowered program came from (lowering skipped), or None when the graph was lowered now."""
     executable: Any = None
-    """The loaded XLA executable (dumps read its optimised HLO)."""
+    """The loaded XLA executable (dumps read its optimised HLO); for a compile-only target, the unloaded one,
+    when it was compiled in this process."""
+    target: str | None = None
+    """The compile-only target this compile was for (``tpu:v5e:2x2``); None for this process's own devices."""
+    report: dict[str, Any] | None = None
+    """For a compile-only target: bytes per chip by use (``memory``) and ``flops``."""
+    error: str | None = None
+    """For a compile-only target: why it could not compile the graph (the graph still runs here)."""
+    out_of_memory: bool = False
+    """For a compile-only target: the graph does not fit the target's memory."""
 
 
 Observer = Callable[[CompileEvent], None]
@@ -101,7 +114,8 @@ def recent_executables() -> list[GraphExecutable]:
 
 
 def graphs_compiled() -> int:
-    """How many ATen graphs this process has handed to tpucompile (tests use it to prove the backend ran)."""
+    """How many ATen graphs this process has handed to tpucompile, or rebuilt from a cached plan without
+    AOTAutograd (tests use it to prove the backend ran)."""
     return _graphs_compiled
 
 
@@ -125,11 +139,16 @@ def compile_graph(
     compile_cache.executable_cache().resize(options.executable_cache_size)
     record_graph(name, "aot_autograd", gm)
     after_pass = functools.partial(record_graph, name) if _graph_recorder is not None else None
-    passes = run_passes(gm, options.embed_constant_limit, after_pass)
+    passes = run_passes(gm, options.embed_constant_limit, after_pass, options.mesh, options.shard)
     unsupported = [n for n in gm.graph.nodes if unsupported_reason(n) is not None]
     data_dependent = [n for n in gm.graph.nodes if has_data_dependent_size(n)]
     if not unsupported and not data_dependent:
         return _compile_region(gm, options, name, passes.lifted_constants)
+    if options.mesh is not None:
+        node = (unsupported or data_dependent)[0]
+        raise UnsupportedOpError(f"a sharded graph compiles as one program, and this one cannot: "
+                                 f"{unsupported_reason(node) or diagnostics.describe_node(node)} has "
+                                 f"{'no lowering' if unsupported else 'a data-dependent result size'}")
     if unsupported and options.fallback == "error":
         raise UnsupportedOpError(unsupported_reason(unsupported[0]) + _FALLBACK_HINT)
     _warn_fallback(unsupported)
@@ -199,7 +218,7 @@ def _compile_region(
     gm: torch.fx.GraphModule, options: Options, name: str, lifted_constants: list[torch.Tensor]
 ) -> Callable[[list[Any]], list[Any]]:
     """Lower and compile a fully supported graph, now (static sizes) or per call shape (symbolic sizes)."""
-    target = get_target(options.platform)
+    target = _target(options)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     metas = [n.meta.get("val") for n in placeholders]
     user_arg_count = len(placeholders) - len(lifted_constants)
@@ -208,7 +227,13 @@ def _compile_region(
         program, program_sha256, program_tier = compile_cache.lowered_program(gm, bindings, target, options)
         loaded = compile_cache.load_executable(program, program_sha256, target, options, name)
         _notify(name, gm, program, loaded, program_tier)
-        return _executable(program, loaded, target, lifted_constants)
+        _compile_for_targets(gm, bindings, program, program_sha256, target, options, name)
+        executable = _executable(program, loaded, target, lifted_constants)
+        if isinstance(executable, ShardedExecutable) and options.shard is not None:
+            record_layouts(gm, program.output_plan, executable.result_dims, options.shard)
+            for position, source in gm.meta.get("dtensor_outputs", {}).items():
+                executable.dtensor_outputs[position] = options.shard.dtensors[source]
+        return executable
 
     if not any(is_symbolic(m) for m in metas):
         return build(ShapeBindings())
@@ -226,19 +251,29 @@ def _compile_region(
 def load_compiled_graph(program_key: str, options: Options, name: str) -> GraphExecutable | None:
     """The executable of a graph compiled before, rebuilt from its stored program alone (a warm start that
     skips AOTAutograd has no ATen graph); None when the program is no longer stored."""
+    global _graphs_compiled
     target = get_target(options.platform)
     found = compile_cache.program_from_key(program_key, options)
     if found is None:
         return None
     program, program_sha256, program_tier = found
+    _graphs_compiled += 1
     loaded = compile_cache.load_executable(program, program_sha256, target, options, name)
     _notify(name, None, program, loaded, program_tier)
     return _executable(program, loaded, target, [])
 
 
+def _target(options: Options) -> Any:
+    if options.mesh is None:
+        return get_target(options.platform)
+    return get_mesh_target(options.platform, options.mesh.size, options.mesh.devices)
+
+
 def _executable(
     program: LoweredProgram, loaded: compile_cache.LoadedExecutable, target: Any, lifted_constants: list
-) -> GraphExecutable:
+) -> GraphExecutable | ShardedExecutable:
+    if len(target.devices) > 1:
+        return _sharded_executable(program, loaded, target, lifted_constants)
     executable = GraphExecutable(
         loaded.executable,
         target.device,
@@ -249,6 +284,29 @@ def _executable(
     )
     # Only a program that needs nothing but its arguments can be rebuilt from its key alone.
     executable.program_key = None if lifted_constants else program.cache_key
+    _recent.append(weakref.ref(executable))
+    return executable
+
+
+def _sharded_executable(
+    program: LoweredProgram, loaded: compile_cache.LoadedExecutable, target: Any, lifted_constants: list
+) -> ShardedExecutable:
+    layout = program_shardings(program.module)
+    if layout is None or layout.partitions != len(target.devices):
+        raise UnsupportedOpError(f"the program compiled for {len(target.devices)} devices carries no sharding "
+                                 "for them")
+    executable = ShardedExecutable(
+        loaded.executable,
+        target.devices,
+        layout.mesh,
+        layout.args,
+        [s.shape for s in program.input_specs],
+        [(s.shape, s.dtype) for s in program.result_specs],
+        [dims is None or any(dims) for dims in layout.results],
+        [SEED_POSITION if p == LOWERED_SEED_POSITION else p for p in program.input_positions],
+        _output_plan(program),
+        lifted_constants,
+    )
     _recent.append(weakref.ref(executable))
     return executable
 
@@ -279,3 +337,36 @@ def _output_plan(program: LoweredProgram) -> list[tuple[int, Any]]:
         else:
             plan.append((CONSTANT, slot.value))
     return plan
+
+
+def _compile_for_targets(
+    gm: torch.fx.GraphModule, bindings: ShapeBindings, program: LoweredProgram, program_sha256: str,
+    run_target: Any, options: Options, name: str,
+) -> None:
+    """Compile the graph also for every compile-only target of ``options`` and store the executables; a
+    target that cannot compile it is reported (a warning, and an event with the reason), never raised: the
+    graph still runs here."""
+    if not options.targets:
+        return
+    for target in compile_targets(options.targets, options.platform):
+        target = spanning(target, len(run_target.devices))
+        try:
+            target_program, target_sha256, program_tier = compile_cache.lowered_program(
+                gm, bindings, target, options, lowered=program)
+            outcome = compile_cache.compile_for_target(target_program, target_sha256, target, options, name,
+                                                       keep_executable=_graph_recorder is not None)
+        except (LoweringError, UnsupportedOpError, CompileError) as error:
+            target_program, program_tier = program, None
+            outcome = compile_cache.TargetOutcome(str(target.name), "", {}, None, 0.0, 0.0, {}, error=error)
+        if outcome.error is not None:
+            warnings.warn(f"tpucompile: {outcome.error}", TpuCompileWarning, stacklevel=2)
+        if _observers:
+            event = CompileEvent(
+                name, gm, target_program, outcome.key, outcome.components, outcome.tier is not None,
+                outcome.seconds, outcome.tier, outcome.saved_seconds, program_tier, outcome.executable,
+                target=outcome.target, report=outcome.report,
+                error=str(outcome.error) if outcome.error is not None else None,
+                out_of_memory=bool(getattr(outcome.error, "out_of_memory", False)),
+            )
+            for observer in list(_observers):
+                observer(event)

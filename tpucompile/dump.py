@@ -9,12 +9,16 @@ order; ROLE is forward, backward or inference, followed by the region for a part
     aten.txt                   the ATen graph that was lowered
     locations.txt              each ATen op and the user's source line it came from
     stablehlo.mlir             StableHLO text; each op carries loc("file.py":line:col) of the user's source
-    stablehlo.mlirbc           the same as a portable StableHLO artifact (versioned VHLO bytecode)
+    stablehlo.mlirbc           the same as a portable StableHLO artifact (versioned VHLO bytecode; MLIR
+                               bytecode for sharded programs, which the portable format cannot hold)
     hlo.txt                    XLA HLO as XLA's passes first see it
     hlo_optimized.txt          XLA HLO of the compiled executable, after optimisation
     compile_options.txt        the XLA compile options
     key.json                   the executable's cache key and its components
     info.json                  op counts, signature, compile time, cache outcome, fallback ops, source files
+    targets/<target>/          per compile-only target (``--target tpu:v5e:2x2``): the StableHLO it was
+                               lowered to, its optimised HLO, compile options, key and report.json (memory
+                               per chip by use, flops, whether it fits, or why it does not compile)
 
 Recording happens in the compiling process, through ``driver.set_graph_recorder`` and ``driver.add_observer``;
 it never fails a compile (a stage that cannot be written is named in ``info.json``). Reading a dump (the
@@ -40,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 from tpucompile.cache import PersistentCache, differing_components, digest
 from tpucompile.cache.keys import is_key
+from tpucompile.targets import GENERATIONS, slug
 
 if TYPE_CHECKING:
     import torch.fx
@@ -78,6 +83,7 @@ class Recorder:
         self.count = 0
         self._stages: dict[str, list[tuple[str, str]]] = {}
         self._fallback: dict[str, list[str]] = {}
+        self._folders: dict[str, pathlib.Path] = {}
         self._lock = threading.Lock()
 
     def record(self, name: str, stage: str, gm: torch.fx.GraphModule) -> None:
@@ -92,7 +98,15 @@ class Recorder:
             self._stages.setdefault(name, []).append((stage, text))
 
     def on_compile(self, event: CompileEvent) -> None:
-        """Write the folder of the graph ``event`` describes."""
+        """Write the folder of the graph ``event`` describes (for a compile-only target, into the folder of
+        the graph it was compiled from)."""
+        if event.target is not None:
+            try:
+                self._write_target(event)
+            except Exception as error:
+                log.warning("tpucompile: could not dump %s for %s to %s: %s: %s", event.name, event.target,
+                            self.root, type(error).__name__, error)
+            return
         with self._lock:
             number = self.count
             self.count += 1
@@ -110,6 +124,8 @@ class Recorder:
         if folder.exists():
             shutil.rmtree(folder)
         folder.mkdir(parents=True)
+        with self._lock:
+            self._folders[event.name] = folder
         errors: dict[str, str] = {}
 
         def write(name: str, content: str | bytes | Callable[[], str | bytes]) -> None:
@@ -136,7 +152,7 @@ class Recorder:
         module = event.program.module
         write(STAGES["stablehlo"], lambda: _asm(module, locations=True))
         version = _portable_version()
-        write("stablehlo.mlirbc", lambda: _portable_artifact(event.program.text(debug_info=True), version))
+        write("stablehlo.mlirbc", lambda: _bytecode(event.program, version))
         write(STAGES["hlo"], lambda: _runtime().unoptimized_hlo(event.program.bytecode()))
         if event.executable is not None:
             write(STAGES["optimized"], lambda: _runtime().optimized_hlo(event.executable))
@@ -175,6 +191,49 @@ class Recorder:
                  if name == owner or name.startswith(owner + " ")),
                 key=lambda item: len(item[0]),
             )
+
+
+    def _write_target(self, event: CompileEvent) -> None:
+        """``targets/<target>/`` of the graph's folder, and the target's line in its ``info.json``."""
+        with self._lock:
+            folder = self._folders.get(event.name)
+        if folder is None:
+            return
+        where = folder / "targets" / slug(event.target)
+        where.mkdir(parents=True, exist_ok=True)
+        errors: dict[str, str] = {}
+
+        def write(name: str, content: Callable[[], str]) -> None:
+            try:
+                (where / name).write_text(content())
+            except Exception as error:
+                errors[name] = f"{type(error).__name__}: {error}"
+
+        write(STAGES["stablehlo"], lambda: _asm(event.program.module, locations=True))
+        if event.executable is not None:
+            write(STAGES["optimized"], lambda: _runtime().optimized_hlo(event.executable))
+        if event.key_components:
+            write("compile_options.txt", lambda: _compile_options_text(event.key_components, event.target))
+            write("key.json", lambda: _json({"key": event.key, "components": event.key_components}))
+        report = {
+            "target": event.target,
+            "key": event.key,
+            "compile_ms": round(event.compile_seconds * 1e3, 3),
+            "cache": "hit" if event.cache_hit else ("failed" if event.error else "miss"),
+            "cache_tier": event.tier,
+            **(event.report or {}),
+            "hbm_bytes": _hbm_bytes(event.key_components.get("device_kind")),
+            "fits": None if event.error and not event.out_of_memory else not event.out_of_memory,
+            "error": event.error,
+            "errors": errors,
+        }
+        (where / "report.json").write_text(_json(report))
+        with self._lock:
+            info_file = folder / "info.json"
+            info = json.loads(info_file.read_text())
+            info.setdefault("targets", {})[event.target] = report
+            info_file.write_text(_json(info))
+            (self.root / "summary.txt").write_text(format_summary(read_dump(self.root)) + "\n")
 
 
 _active: Recorder | None = None
@@ -301,6 +360,15 @@ def _portable_version() -> str:
     return stablehlo.get_current_version()
 
 
+def _bytecode(program: Any, version: str) -> bytes:
+    """A portable StableHLO artifact; plain MLIR bytecode for sharded programs, since the portable format has
+    no Shardy (``sdy``) dialect."""
+    text = program.text(debug_info=True)
+    if "sdy." in text:
+        return program.bytecode()
+    return _portable_artifact(text, version)
+
+
 def _portable_artifact(text: str, version: str) -> bytes:
     from jax.extend.mlir.dialects import stablehlo
 
@@ -313,9 +381,15 @@ def _runtime() -> Any:
     return runtime
 
 
-def _compile_options_text(components: dict[str, Any]) -> str:
+def _compile_options_text(components: dict[str, Any], target: str | None = None) -> str:
     runtime = _runtime()
-    options = runtime.compile_options(runtime.get_target(components.get("platform")))
+    if target is not None:
+        from tpucompile.runtime.topology import compile_targets, spanning
+
+        (chosen,) = compile_targets((target,))
+        options = runtime.compile_options(spanning(chosen, int(components.get("device_count") or 1)))
+    else:
+        options = runtime.compile_options(runtime.get_target(components.get("platform")))
     fingerprint = digest(runtime.compile_options_fingerprint(options))
     header = (f"# sha256 of these options without debug fields: {fingerprint} (the key's compile_options)\n"
               f"# XLA_FLAGS that change code: {' '.join(runtime.build_flags()) or '(none)'}\n")
@@ -349,8 +423,9 @@ def read_dump(root: str | os.PathLike[str]) -> list[dict[str, Any]]:
     return sorted(infos, key=lambda info: info["graph"])
 
 
-def stage_text(root: str | os.PathLike[str], graph: int, stage: str) -> str:
-    """The text of one stage of graph number ``graph``; ``LookupError`` saying why when there is none."""
+def stage_text(root: str | os.PathLike[str], graph: int, stage: str, target: str | None = None) -> str:
+    """The text of one stage of graph number ``graph`` (as compiled for compile-only ``target``, when one is
+    named); ``LookupError`` saying why when there is none."""
     infos = {info["graph"]: info for info in read_dump(root)}
     if graph not in infos:
         have = f"graphs 0-{max(infos)}" if infos else "no graphs"
@@ -358,9 +433,19 @@ def stage_text(root: str | os.PathLike[str], graph: int, stage: str) -> str:
     info = infos[graph]
     name = STAGES[stage]
     path = pathlib.Path(root) / info["folder"] / name
+    errors = info.get("errors", {})
+    if target is not None:
+        report = info.get("targets", {}).get(target)
+        if report is None:
+            have = ", ".join(info.get("targets", {})) or "none"
+            raise LookupError(f"graph {graph} was not compiled for {target} (targets in this dump: {have})")
+        if stage not in ("stablehlo", "optimized"):
+            raise LookupError("for a compile-only target the dump keeps the stablehlo and optimized stages")
+        path = pathlib.Path(root) / info["folder"] / "targets" / slug(target) / name
+        errors = {**report.get("errors", {}), **({name: report["error"]} if report.get("error") else {})}
     if not path.is_file():
-        why = info.get("errors", {}).get(name, "not recorded for this graph")
-        raise LookupError(f"graph {graph} has no {stage} stage: {why}")
+        why = errors.get(name, "not recorded for this graph")
+        raise LookupError(f"graph {graph} has no {stage} stage{' for ' + target if target else ''}: {why}")
     return path.read_text()
 
 
@@ -377,13 +462,75 @@ def format_summary(infos: list[dict[str, Any]]) -> str:
             f"{_clip_shapes(info['inputs'])} -> {_clip_shapes(info['outputs'])}", info["key"][:12],
             f"{info['compile_ms']:.1f}", cache, ",".join(info.get("fallback_ops") or []) or "-",
         ])
-    numeric = {0, 2, 3, 7}
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    return "\n".join([_table(rows, {0, 2, 3, 7}), *_target_summaries(infos)])
+
+
+def _table(rows: list[list[str]], numeric: set[int]) -> str:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = []
     for row in rows:
         cells = [cell.rjust(widths[i]) if i in numeric else cell.ljust(widths[i]) for i, cell in enumerate(row)]
         lines.append("  ".join(cells).rstrip())
     return "\n".join(lines)
+
+
+def _target_summaries(infos: list[dict[str, Any]]) -> list[str]:
+    """Per compile-only target: each graph's memory per chip by use, flops and whether it fits the chip,
+    then why any graph does not compile for it."""
+    names = list(dict.fromkeys(t for info in infos for t in info.get("targets", {})))
+    blocks = []
+    for name in names:
+        reports = [(info, info["targets"][name]) for info in infos if name in info.get("targets", {})]
+        hbm = next((r["hbm_bytes"] for _, r in reports if r.get("hbm_bytes")), None)
+        title = f"{name}: memory per chip" + (f" (of {hbm / 2**30:.2f} GiB HBM)" if hbm else "")
+        rows = [["graph", "role", "arguments", "outputs", "temporaries", "code", "peak", "flops", "fits",
+                 "compile ms", "cache"]]
+        failures = []
+        for info, report in reports:
+            memory = report.get("memory") or {}
+            role = info["role"] + (f" {info['region']}" if info.get("region") else "")
+            cells = [_bytes(memory.get(k)) for k in ("argument", "output", "temp", "generated_code", "peak")]
+            rows.append([str(info["graph"]), role, *cells, _count(report.get("flops")),
+                         _fits(report, memory.get("peak"), hbm), f"{report.get('compile_ms', 0):.1f}",
+                         report.get("cache", "-") + (f" ({report['cache_tier']})" if report.get("cache_tier") else "")])
+            if report.get("error"):
+                failures.append(f"  graph {info['graph']}: {report['error']}")
+        blocks.append("\n".join([title, _table(rows, {0, 2, 3, 4, 5, 6, 7, 9}), *failures]))
+    return ["", *blocks] if blocks else []
+
+
+def _fits(report: dict[str, Any], peak: int | None, hbm: int | None) -> str:
+    if report.get("fits") is False:
+        return "NO"
+    if report.get("error"):
+        return "-"
+    if peak and hbm:
+        share = 100 * peak / hbm
+        return ("NO" if share > 100 else f"yes ({share:.1f}%)" if share >= 0.1 else "yes (<0.1%)")
+    return "yes"
+
+
+def _bytes(count: float | None) -> str:
+    if count is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(count) < 1024 or unit == "GiB":
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+        count /= 1024
+    return f"{count:.1f} GiB"
+
+
+def _count(value: float | None) -> str:
+    if value is None:
+        return "-"
+    for unit, size in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(value) >= size:
+            return f"{value / size:.2f} {unit}"
+    return f"{value:.0f}"
+
+
+def _hbm_bytes(device_kind: Any) -> int | None:
+    return next((g.hbm_bytes for g in GENERATIONS.values() if g.device_kind == device_kind), None)
 
 
 def _clip_shapes(specs: list[str], shown: int = 1) -> str:

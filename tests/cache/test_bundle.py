@@ -24,7 +24,7 @@ def f(x):
 
 @pytest.fixture
 def warmed(tmp_path, monkeypatch):
-    """A cache directory holding the program and executable entries of ``f``."""
+    """A cache directory holding the plan, program and executable entries of ``f``."""
     source = tmp_path / "source"
     monkeypatch.setenv("TPUCOMPILE_CACHE_DIR", str(source))
     x = torch.randn(4, 4)
@@ -42,11 +42,11 @@ def test_round_trip_through_the_cli(tmp_path, monkeypatch, warmed, capsys):
     monkeypatch.setenv("TPUCOMPILE_CACHE_SIGNING_KEY", SECRET.decode())
     assert cli.main(["cache", "export", str(bundle), "--dir", str(source), "--json"]) == 0
     exported = json.loads(capsys.readouterr().out)
-    assert exported == {"bundle": str(bundle), "entries": 2, "signed": True}
+    assert exported == {"bundle": str(bundle), "entries": 3, "signed": True}
     target = tmp_path / "target"
     assert cli.main(["cache", "import", str(bundle), "--dir", str(target), "--json"]) == 0
     imported = json.loads(capsys.readouterr().out)
-    assert len(imported["imported"]) == 2 and imported["verified_signature"] and not imported["skipped"]
+    assert len(imported["imported"]) == 3 and imported["verified_signature"] and not imported["skipped"]
     monkeypatch.setenv("TPUCOMPILE_CACHE_DIR", str(target))
     result, (event,) = compile_and_run(f, x, cache_mode="strict")
     torch.testing.assert_close(result, f(x))
@@ -101,7 +101,7 @@ def test_unsigned_bundle_is_refused_when_a_key_is_set(tmp_path, warmed):
     with pytest.raises(BundleError, match="not signed"):
         import_bundle(PersistentCache(tmp_path / "t"), bundle, _environment(), key=SECRET)
     report = import_bundle(PersistentCache(tmp_path / "t"), bundle, _environment())
-    assert len(report.imported) == 2 and not report.signed
+    assert len(report.imported) == 3 and not report.signed
 
 
 def test_entries_for_another_environment_are_skipped_with_the_reason(tmp_path):

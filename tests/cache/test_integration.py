@@ -40,7 +40,7 @@ def test_warm_start_loads_program_and_executable_from_disk(cache_dir):
     # the program read back carries the user's source locations, like a freshly lowered one
     assert warm.program.text(debug_info=True) == cold.program.text(debug_info=True)
     kinds = sorted(decode(LocalStore(cache_dir).read(k), k).kind for k in LocalStore(cache_dir).list_keys())
-    assert kinds == ["executable", "program"]
+    assert kinds == ["executable", "plan", "program"]
 
 
 def test_random_corruption_of_entries_is_detected_and_recompiled(cache_dir):
@@ -59,7 +59,7 @@ def test_random_corruption_of_entries_is_detected_and_recompiled(cache_dir):
         torch.testing.assert_close(result, expected)
         assert event.tier is None and event.program_tier is None, "corrupt entries are never served"
     quarantined = [p for p in store.quarantine_dir.iterdir() if p.suffix != ".why"]
-    assert len(quarantined) == 12
+    assert len(quarantined) == 18  # six rounds of a plan, a program and an executable entry
 
 
 def test_strict_mode_refuses_to_compile_and_names_graph_and_key(cache_dir):

@@ -23,17 +23,19 @@ import json
 import os
 import tarfile
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from tpucompile.cache.entry import CorruptEntryError, decode
 from tpucompile.cache.keys import canonical_json, digest, environment_mismatches, is_key
 from tpucompile.cache.tiered import PersistentCache
+from tpucompile.targets import label as target_label
 
 FORMAT = "tpucompile-cache-bundle"
 VERSION = 1
 SIGNING_KEY_ENV = "TPUCOMPILE_CACHE_SIGNING_KEY"
 _MAX_MANIFEST = 64 << 20
+_TARGET_COMPONENTS = ("platform", "platform_version", "device_kind", "device_count", "topology")
 
 
 class BundleError(Exception):
@@ -106,10 +108,12 @@ def export_bundle(
 def import_bundle(
     cache: PersistentCache,
     path: str | os.PathLike[str],
-    environment: Mapping[str, Any],
+    environment: Mapping[str, Any] | Sequence[Mapping[str, Any]],
     key: bytes | None = None,
 ) -> ImportReport:
-    """Check ``path`` completely, then publish the entries that fit this environment into ``cache``."""
+    """Check ``path`` completely, then publish the entries that fit this environment (or any of several: this
+    machine's and those of compile-only targets) into ``cache``."""
+    environments = [environment] if isinstance(environment, Mapping) else list(environment)
     if not cache.writable:
         raise BundleError(f"the cache at {cache.local.root} is {cache.mode}: nothing can be imported into it")
     report = ImportReport()
@@ -151,12 +155,16 @@ def import_bundle(
             raise BundleError(f"entry {entry_key[:16]} is not a valid cache entry: {error}") from None
         entries.append((entry, data))
     for entry, data in entries:
-        mismatches = environment_mismatches(entry.components, environment)
+        mismatches = min((environment_mismatches(entry.components, e) for e in environments), key=len)
         if mismatches:
-            report.skipped[entry.key] = "; ".join(
-                f"{name}: built with {_short(old)}, this environment has {_short(new)}"
-                for name, (old, new) in sorted(mismatches.items())
-            )
+            reasons = []
+            if "platform" in mismatches:  # another target altogether: say which, not every component of it
+                reasons.append(f"built for {target_label(entry.components)}, not for this machine "
+                               f"(`cache import --target {target_label(entry.components)}` keeps it)")
+                mismatches = {k: v for k, v in mismatches.items() if k not in _TARGET_COMPONENTS}
+            reasons += [f"{name}: built with {_short(old)}, this environment has {_short(new)}"
+                        for name, (old, new) in sorted(mismatches.items())]
+            report.skipped[entry.key] = "; ".join(reasons)
             continue
         if cache.local.contains(entry.key):
             report.already_present.append(entry.key)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import struct
 import time
 from typing import Any
@@ -139,3 +140,20 @@ def decode(data: bytes, expected_key: str | None = None) -> Entry:
         compile_seconds=float(header.get("compile_seconds", 0.0)),
         created=float(header.get("created", 0.0)),
     )
+
+
+def read_components(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The key components stored in the entry file at ``path``, reading only its header and metadata, not
+    its payload and without verifying it (listing by target); ``CorruptEntryError`` when they cannot be read."""
+    try:
+        with open(path, "rb") as stream:
+            head = stream.read(64 * 1024)
+            header = read_header(head if len(head) < 64 * 1024 else head + stream.read(_MAX_HEADER))
+            stream.seek(header["_header_end"] + int(header["payload_size"]))
+            stored = json.loads(stream.read(int(header["metadata_size"])))
+        components = stored["components"]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise CorruptEntryError(f"cannot read the components: {error}") from None
+    if not isinstance(components, dict):
+        raise CorruptEntryError("the stored components are not a mapping")
+    return components

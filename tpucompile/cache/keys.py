@@ -20,6 +20,7 @@ ENVIRONMENT_COMPONENTS = (
     "platform_version",
     "device_kind",
     "device_count",
+    "topology",
     "jaxlib",
     "xla_flags",
     "tpucompile",
@@ -27,7 +28,9 @@ ENVIRONMENT_COMPONENTS = (
     "decompositions",
 )
 """Components that describe the machine and software rather than the program: an entry whose values differ
-from this process's cannot be used here (a bundle import says which one)."""
+from this process's cannot be used here (a bundle import says which one). For a compile-only target
+(``tpu:v5e:2x2``) platform, platform_version, device_kind, device_count and topology come from the target's
+devices as libtpu describes them, so that they equal what a host of that slice computes for itself."""
 
 
 def canonical_json(components: Mapping[str, Any]) -> bytes:

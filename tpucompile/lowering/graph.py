@@ -26,7 +26,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from tpucompile import diagnostics
 from tpucompile.errors import LoweringError, TpuCompileError, UnsupportedOpError
-from tpucompile.lowering import builder
+from tpucompile.lowering import builder, sharding
 from tpucompile.lowering.context import mlir_context
 from tpucompile.lowering.registry import LoweringContext, is_random, lookup_rule, size_bound
 from tpucompile.lowering.rng import SEED_SHAPE, RandomStream
@@ -109,8 +109,11 @@ class _GraphLowering:
         outputs = output_node.args[0]
         outputs = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
         result_nodes = [o for o in outputs if self._is_result(o)]
+        mesh = sharding.graph_mesh(list(graph.nodes))
 
         module = ir.Module.create()
+        if mesh is not None:
+            sharding.declare_mesh(module, mesh)
         with ir.InsertionPoint(module.body):
             main = func.FuncOp("main", ir.FunctionType.get([spec_type(s) for s in input_specs], []))
             main.attributes["sym_visibility"] = ir.StringAttr.get("public")
@@ -124,9 +127,12 @@ class _GraphLowering:
             if node not in self.env:
                 self.env[node] = self.bindings.resolve(node.meta.get("val"))
 
+        arg_shardings, aliases = self._argument_annotations(tensor_inputs, result_nodes)
         with ir.InsertionPoint(block):
             for node in graph.nodes:
-                if node.op == "call_function":
+                if node in aliases:
+                    self.env[node] = self.env[node.args[0]]  # an argument or result attribute, set below
+                elif node.op == "call_function":
                     self.env[node] = self._lower_call(node)
                 elif node.op == "get_attr":
                     self.env[node] = self._lower_constant(node)
@@ -138,6 +144,12 @@ class _GraphLowering:
         main.attributes["function_type"] = ir.TypeAttr.get(
             ir.FunctionType.get([spec_type(s) for s in input_specs], [spec_type(s) for s in result_specs])
         )
+        if mesh is not None:
+            arg_dims = [arg_shardings.get(node, ()) for _, node in tensor_inputs] + ([()] if needs_seed else [])
+            result_dims = [sharding.annotation_dims(n) if sharding.is_annotation(n) else None for n in unique_results]
+            result_dims += [()] * len(sizes)
+            sharding.set_shardings(main.operation, arg_dims, [len(s.shape) for s in input_specs],
+                                   result_dims, [len(s.shape) for s in result_specs])
 
         input_index = {node: k for k, (_, node) in enumerate(tensor_inputs)}
         plan = []
@@ -160,6 +172,24 @@ class _GraphLowering:
             result_specs=result_specs,
             output_plan=plan,
         )
+
+    def _argument_annotations(
+        self, tensor_inputs: list[tuple[int, torch.fx.Node]], result_nodes: list[Any]
+    ) -> tuple[dict[torch.fx.Node, Any], set[torch.fx.Node]]:
+        """Sharding annotations that become attributes instead of ops: the dims of each annotated
+        placeholder, and the annotations that stand for their operand (of a placeholder, or returned)."""
+        arg_shardings: dict[torch.fx.Node, Any] = {}
+        aliases: set[torch.fx.Node] = set()
+        inputs = {node for _, node in tensor_inputs}
+        for node in self.gm.graph.nodes:
+            if not sharding.is_annotation(node):
+                continue
+            if node.args[0] in inputs and node.args[0] not in arg_shardings:
+                arg_shardings[node.args[0]] = sharding.annotation_dims(node)
+                aliases.add(node)
+            elif node in result_nodes:
+                aliases.add(node)
+        return arg_shardings, aliases
 
     def _trim(self, node: torch.fx.Node, size_results: dict[sympy.Symbol, int]) -> tuple[tuple[int, int], ...]:
         trim = []

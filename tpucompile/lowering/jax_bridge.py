@@ -94,6 +94,13 @@ def target_platform(platform: str | None) -> Iterator[None]:
         _local.platform = previous
 
 
+def holds_jax_lowerings(module: ir.Module) -> bool:
+    """Whether ``module`` calls functions lowered from jax, whose text depends on the platform they were
+    lowered for (a program without any is the same for every platform)."""
+    return any(ir.SymbolTable.get_symbol_name(op).value.startswith("jax_")
+               for op in module.body.operations if op.operation.name == "func.func")
+
+
 def lowerings_done() -> int:
     """How many times jax has been asked to lower a function in this process (tests check the memo with it)."""
     return _lowerings

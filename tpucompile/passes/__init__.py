@@ -17,6 +17,8 @@ from tpucompile.passes.dead_code import eliminate_dead_code
 from tpucompile.passes.decompositions import decomposition_table
 from tpucompile.passes.noop_views import remove_noop_views
 from tpucompile.passes.partition import isolate_node, partition_supported
+from tpucompile.passes.sharding import annotate_shardings, bind_sharding, dtensor_outputs, record_layouts
+from tpucompile.sharding import Mesh, ShardPlan
 
 
 @dataclasses.dataclass
@@ -29,8 +31,11 @@ def run_passes(
     gm: torch.fx.GraphModule,
     embed_constant_limit: int,
     after_pass: Callable[[str, torch.fx.GraphModule], None] | None = None,
+    mesh: Mesh | None = None,
+    plan: ShardPlan | None = None,
 ) -> PassResult:
-    """Clean ``gm`` in place: drop no-op views and dead code, lift large constants.
+    """Clean ``gm`` in place: drop no-op views and dead code, lift large constants; with a ``mesh``, annotate
+    the inputs and outputs with their shardings (``plan``: a plan bound to the graph's Dynamo inputs).
 
     ``after_pass(name, gm)``, when given, sees the graph after each pass (dumps show every step).
     """
@@ -43,16 +48,24 @@ def run_passes(
     lifted = lift_large_constants(gm, embed_constant_limit)
     if after_pass:
         after_pass("lift_large_constants", gm)
+    if mesh is not None:
+        annotate_shardings(gm, mesh, plan or ShardPlan())
+        if after_pass:
+            after_pass("annotate_shardings", gm)
     return PassResult(lifted_constants=lifted)
 
 
 __all__ = [
     "PassResult",
+    "annotate_shardings",
+    "bind_sharding",
     "decomposition_table",
+    "dtensor_outputs",
     "eliminate_dead_code",
     "isolate_node",
     "lift_large_constants",
     "partition_supported",
+    "record_layouts",
     "remove_noop_views",
     "rewrite_attention",
     "run_passes",

@@ -9,9 +9,12 @@ import shlex
 
 import jax.extend.backend as jax_backend
 import jaxlib
+import numpy as np
 from jaxlib import xla_client
 
-from tpucompile.errors import OptionsError
+from tpucompile.errors import OptionsError, ShardingError
+from tpucompile.runtime import libtpu
+from tpucompile.targets import describe_topology
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,6 +23,10 @@ class Target:
 
     client: object
     devices: tuple[object, ...]
+    name: str | None = None
+    """The target's name (``tpu:v5e:2x2``) when it is compile-only; None for this process's own devices."""
+    compile_only: bool = False
+    """Executables are compiled for its devices and stored, never loaded or run here."""
 
     @property
     def platform(self) -> str:
@@ -39,31 +46,83 @@ class Target:
             "platform_version": self.client.platform_version,
             "device_kind": self.device.device_kind,
             "device_count": len(self.devices),
+            "topology": topology(self.client),
             "jaxlib": jaxlib.__version__,
         }
+
+
+_topologies: dict[int, str] = {}
+
+
+def topology(client: object) -> str:
+    """The chips of ``client``'s slice along each axis (``2x2x1``), from its devices' coordinates, the same
+    way on a real TPU host and for compile-only devices (``N devices`` where devices have no coordinates)."""
+    text = _topologies.get(id(client))
+    if text is None:
+        devices = client.devices()
+        coords = [tuple(d.coords) for d in devices if getattr(d, "coords", None) is not None]
+        cores = max((int(getattr(d, "core_on_chip", 0) or 0) for d in devices), default=0) + 1
+        text = _topologies[id(client)] = describe_topology(coords if len(coords) == len(devices) else [], cores,
+                                                           len(devices))
+    return text
 
 
 @functools.cache
 def get_target(platform: str | None = None) -> Target:
     """The first device of ``platform`` (jax's default backend when None)."""
+    libtpu.allow_shared_load()
     try:
-        client = jax_backend.get_backend(platform)
+        with libtpu.quiet():
+            client = jax_backend.get_backend(platform)
     except RuntimeError as error:
         raise OptionsError(f"no PJRT backend for platform {platform!r}: {error}") from None
     return Target(client=client, devices=(client.local_devices()[0],))
 
 
-_compile_options: dict[tuple[int, int], object] = {}
+def get_mesh_target(platform: str | None, size: int, device_ids: tuple[int, ...] | None = None) -> Target:
+    """The ``size`` devices of a mesh, in mesh order: ``device_ids``, or the platform's first ``size`` devices
+    (of every process, in id order)."""
+    client = get_target(platform).client
+    devices = sorted(client.devices(), key=lambda d: d.id)
+    if device_ids is None:
+        if size > len(devices):
+            hint = (f"; for virtual CPU devices set XLA_FLAGS=--xla_force_host_platform_device_count={size} "
+                    "before jax starts" if client.platform == "cpu" else "")
+            raise ShardingError(f"the mesh needs {size} devices but the {client.platform} platform has "
+                                f"{len(devices)}{hint}")
+        return _mesh_target(client, tuple(devices[:size]))
+    by_id = {d.id: d for d in devices}
+    missing = [i for i in device_ids if i not in by_id]
+    if missing:
+        raise ShardingError(f"the mesh names device ids {missing}, which the {client.platform} platform lacks "
+                            f"(it has {sorted(by_id)})")
+    return _mesh_target(client, tuple(by_id[i] for i in device_ids))
 
 
-def compile_options(target: Target, num_partitions: int = 1) -> object:
-    """XLA compile options for ``target`` (built once per target and partition count)."""
-    key = (id(target.client), num_partitions)
+@functools.cache
+def _mesh_target(client: object, devices: tuple[object, ...]) -> Target:
+    return Target(client=client, devices=devices)
+
+
+_compile_options: dict[tuple, object] = {}
+
+
+def compile_options(target: Target, num_partitions: int | None = None) -> object:
+    """XLA compile options for ``target`` (built once per target and partition count). A target of several
+    devices compiles one SPMD program partitioned over all of them, in the target's device order."""
+    partitions = len(target.devices) if num_partitions is None else num_partitions
+    assignment = tuple(d.id for d in target.devices) if partitions > 1 else ()
+    key = (id(target.client), partitions, assignment)
     options = _compile_options.get(key)
     if options is None:
         options = jax_backend.get_compile_options(
-            num_replicas=1, num_partitions=num_partitions, backend=target.client
+            num_replicas=1,
+            num_partitions=partitions,
+            device_assignment=np.array([assignment]) if assignment else None,
+            backend=target.client,
         )
+        if assignment:  # results the program leaves unannotated take the layout XLA's propagation finds best
+            options.executable_build_options.allow_spmd_sharding_propagation_to_output = [True]
         _compile_options[key] = options
     return options
 
@@ -72,20 +131,27 @@ def compile_options(target: Target, num_partitions: int = 1) -> object:
 _DEBUG_FLAG_PREFIXES = ("xla_dump", "xla_gpu_dump", "xla_log", "xla_detailed_logging", "xla_enable_dumping",
                         "xla_cpu_enable_xprof_traceme", "xla_hlo_graph", "xla_hlo_profile")
 
+# Flags that only steer the runtime. jax appends --xla_tpu_use_enhanced_launch_barrier=true to LIBTPU_INIT_ARGS
+# on every Cloud TPU VM, so keying on it would make a TPU host miss every entry compiled for it elsewhere.
+_RUNTIME_ONLY_FLAGS = ("xla_tpu_use_enhanced_launch_barrier",)
+_OTHER_PLATFORM_FLAGS = ("xla_cpu_", "xla_gpu_", "xla_force_host_platform_device_count")
+
 
 def _is_debug_flag(name: str) -> bool:
     return name.startswith(_DEBUG_FLAG_PREFIXES)
 
 
-def build_flags(environ: dict[str, str] | None = None) -> list[str]:
+def build_flags(environ: dict[str, str] | None = None, platform: str | None = None) -> list[str]:
     """The XLA flags (``XLA_FLAGS``, and ``LIBTPU_INIT_ARGS`` on TPU hosts) that can change generated code:
-    dump and logging flags dropped, one value per flag (the last wins, as in XLA), sorted."""
+    dump and logging flags dropped, one value per flag (the last wins, as in XLA), sorted. For ``platform``
+    "tpu", CPU and GPU flags are dropped too: a CI machine's CPU settings cannot change TPU code."""
     environ = os.environ if environ is None else environ
+    foreign = _OTHER_PLATFORM_FLAGS if platform == "tpu" else ()
     flags: dict[str, str] = {}
     for variable in ("XLA_FLAGS", "LIBTPU_INIT_ARGS"):
         for token in shlex.split(environ.get(variable, "")):
             name = token.lstrip("-").split("=", 1)[0]
-            if name and not _is_debug_flag(name):
+            if name and not _is_debug_flag(name) and name not in _RUNTIME_ONLY_FLAGS and not name.startswith(foreign):
                 flags[name] = token.lstrip("-")
     return [flags[name] for name in sorted(flags)]
 
