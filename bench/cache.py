@@ -183,7 +183,7 @@ def main() -> None:
         for name, result in results.items():
             tiers = result.get("tiers") or []
             where = ", ".join(f"{tiers.count(t)} {t}" for t in dict.fromkeys(tiers)) or "-"
-            work = result.get("work_s")
+            work = result.get("work_s") if name.startswith("tpucompile") else None
             work_cells = f"{work:.2f} | {work / cold['work_s']:.1%}" if work is not None else "- | -"
             print(f"| {phase} | {name} | {where} | {result['total_s']:.2f} | {result['first_s']:.2f} | "
                   f"{work_cells} | {result['total_s'] / cold['total_s']:.2f}x | "

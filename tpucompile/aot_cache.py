@@ -23,7 +23,9 @@ ordinary path, as does every graph while a dump is recording (dumps show AOTAuto
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
+import pathlib
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -74,8 +76,17 @@ def plan_components(
         "options": {k: v if isinstance(v, (bool, int, float, str, type(None))) else repr(v)
                     for k, v in sorted(settings.items())},
         "torch": torch.__version__,
+        "plan_sources": _plan_sources_digest(),
         **compile_cache.environment(get_target(options.platform)),
     }
+
+
+@functools.cache
+def _plan_sources_digest() -> str:
+    """SHA-256 of the code that decides what AOTAutograd is asked to do and how a plan is run."""
+    package = pathlib.Path(__file__).resolve().parent
+    sources = [package / "backend.py", package / "aot_cache.py", package / "passes" / "attention.py"]
+    return digest(b"\0".join(path.read_bytes() for path in sources))
 
 
 def _is_symbolic(tensor: torch.Tensor) -> bool:

@@ -51,13 +51,13 @@ from tpucompile.config import Options, parse_size
 from tpucompile.errors import CacheMissError, UnsupportedOpError
 from tpucompile.lowering import LoweredProgram, OutputSlot, ShapeBindings, TensorSpec, jax_bridge, lower_graph
 from tpucompile.lowering.context import mlir_context
-from tpucompile.passes import decomposition_table
 from tpucompile.runtime import Target, build_flags, compile_module, compile_options, compile_options_fingerprint
 from tpucompile.runtime.compile_only import TargetCompileError, compile_for
 
 log = logging.getLogger("tpucompile")
 
 _LOWERING_DIR = pathlib.Path(__file__).resolve().parent / "lowering"
+_DECOMPOSITIONS_SOURCE = pathlib.Path(__file__).resolve().parent / "passes" / "decompositions.py"
 
 _executables: MemoryStore[Any] = MemoryStore(Options().executable_cache_size)
 _programs: MemoryStore[tuple[LoweredProgram, str]] = MemoryStore(Options().executable_cache_size)
@@ -79,11 +79,12 @@ def lowering_sources_digest() -> str:
 
 @functools.cache
 def decompositions_digest() -> str:
-    """SHA-256 of the names of the ATen ops AOTAutograd decomposes for us. Ops of other namespaces
-    (``c10d_functional``, ``quantized_decomposed``) join torch's tables only once the modules defining them
-    are imported, which Dynamo does and a bare ``tpucompile cache import`` does not: hashing them would give
-    the same machine two environments."""
-    return digest("\n".join(sorted(str(op) for op in decomposition_table() if str(op).startswith("aten."))))
+    """SHA-256 of what decides the decomposition table AOTAutograd gets: torch's version (its own tables)
+    and the source of ``tpucompile/passes/decompositions.py`` (what we take, keep whole and add).
+
+    Hashing the sources rather than the table itself keeps warm starts from building the table, and does
+    not depend on which torch modules happen to be imported (some register ops into torch's tables)."""
+    return digest(torch.__version__.encode() + b"\0" + _DECOMPOSITIONS_SOURCE.read_bytes())
 
 
 def environment(target: Target) -> dict[str, Any]:
