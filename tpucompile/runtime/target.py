@@ -71,12 +71,34 @@ def topology(client: object) -> str:
 def get_target(platform: str | None = None) -> Target:
     """The first device of ``platform`` (jax's default backend when None)."""
     libtpu.allow_shared_load()
+    if platform in (None, "cpu"):
+        _skip_absent_tpu()
     try:
         with libtpu.quiet():
             client = jax_backend.get_backend(platform)
     except RuntimeError as error:
         raise OptionsError(f"no PJRT backend for platform {platform!r}: {error}") from None
     return Target(client=client, devices=(client.local_devices()[0],))
+
+
+def _skip_absent_tpu() -> None:
+    """On a CPU-only machine, start only jax's CPU backend, not libtpu's: with the ``tpu`` extra installed,
+    jax would otherwise load libtpu in every process (about 175 MB of memory and a second of start-up) only
+    to find no chip. Compile-only TPU topologies do not need that backend. Left alone when the user chose
+    jax's platforms, when TPU chips may be present, when a GPU plugin is installed, or once jax has started."""
+    import importlib.util
+
+    import jax
+    from jax._src import xla_bridge
+
+    if os.environ.get("JAX_PLATFORMS") or jax.config.jax_platforms or xla_bridge.backends_are_initialized():
+        return
+    if libtpu.installed_version() is None or libtpu.has_tpu_chips():
+        return
+    if any(importlib.util.find_spec(name) for name in ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin",
+                                                       "jax_plugins")):
+        return
+    jax.config.update("jax_platforms", "cpu")
 
 
 def get_mesh_target(platform: str | None, size: int, device_ids: tuple[int, ...] | None = None) -> Target:
