@@ -347,15 +347,21 @@ def _embedding_renorm(ctx, weight, indices, max_norm, norm_type):
                            params=(float(max_norm), float(norm_type)))[0]
 
 
-def _index_update(ctx, x, dim, index, source, combiner: Combiner, fill: bool = False) -> Value:
-    """``index_add`` / ``index_copy`` / ``index_fill``: update the slices ``index`` of ``x`` along ``dim``
-    with the matching slices of ``source`` (or, with ``fill``, with the scalar ``source`` everywhere)."""
+def _slices_along(x: Value, dim: int, index: Value) -> tuple[Value, int, Value, tuple[int, ...]]:
+    """For updates of whole slices of ``x`` along ``dim``: ``x`` (at least 1-d), ``dim`` made positive, the
+    flattened ``index``, and the shape the updates have (``x``'s, with ``dim`` sized by the index)."""
     x = _at_least_1d(x)
     shape = builder.shape_of(x)
     dim %= len(shape)
     count = _numel(builder.shape_of(index))
     index = builder.reshape(index, (count,))
-    updates_shape = (*shape[:dim], count, *shape[dim + 1 :])
+    return x, dim, index, (*shape[:dim], count, *shape[dim + 1 :])
+
+
+def _index_update(ctx, x, dim, index, source, combiner: Combiner, fill: bool = False) -> Value:
+    """``index_add`` / ``index_copy`` / ``index_fill``: update the slices ``index`` of ``x`` along ``dim``
+    with the matching slices of ``source`` (or, with ``fill``, with the scalar ``source`` everywhere)."""
+    x, dim, index, updates_shape = _slices_along(x, dim, index)
     if fill:
         source = _scalar_or_tensor(source, builder.dtype_of(x), updates_shape)
     else:
@@ -536,12 +542,8 @@ def _index_reduce(ctx, x, dim, index, source, reduce, include_self=True):
     combiners = {"prod": _multiply, "mean": _add, "amax": _maximum, "amin": _minimum}
     if reduce not in combiners:
         raise UnsupportedOpError(f"index_reduce with reduce={reduce!r} is not supported")
-    x = _at_least_1d(x)
+    x, dim, index, updates_shape = _slices_along(x, dim, index)
     shape = builder.shape_of(x)
-    dim %= len(shape)
-    count = _numel(builder.shape_of(index))
-    index = builder.reshape(index, (count,))
-    updates_shape = (*shape[:dim], count, *shape[dim + 1 :])
     source = builder.reshape(builder.convert(source, dtype), updates_shape)
     where = [None] * dim + [index]
     base = x
