@@ -18,6 +18,8 @@ os.environ["TPUCOMPILE_FALLBACK"] = "error"
 _CACHE_DIR = tempfile.mkdtemp(prefix="tpucompile-test-cache-")
 os.environ["TPUCOMPILE_CACHE_DIR"] = _CACHE_DIR
 atexit.register(shutil.rmtree, _CACHE_DIR, ignore_errors=True)
+# The host BLAS kernel library is built once per test session, there too.
+os.environ.setdefault("TPUCOMPILE_BUILD_DIR", os.path.join(_CACHE_DIR, "build"))
 
 
 @pytest.fixture

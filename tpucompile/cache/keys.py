@@ -22,6 +22,7 @@ ENVIRONMENT_COMPONENTS = (
     "device_count",
     "topology",
     "jaxlib",
+    "host_blas",
     "xla_flags",
     "tpucompile",
     "lowering_sources",
@@ -30,7 +31,9 @@ ENVIRONMENT_COMPONENTS = (
 """Components that describe the machine and software rather than the program: an entry whose values differ
 from this process's cannot be used here (a bundle import says which one). For a compile-only target
 (``tpu:v5e:2x2``) platform, platform_version, device_kind, device_count and topology come from the target's
-devices as libtpu describes them, so that they equal what a host of that slice computes for itself."""
+devices as libtpu describes them, so that they equal what a host of that slice computes for itself.
+``host_blas`` fingerprints the BLAS kernels CPU programs call for matrix products (None where XLA's own dots
+run)."""
 
 
 def canonical_json(components: Mapping[str, Any]) -> bytes:

@@ -16,6 +16,7 @@ from typing import Any
 from jax.extend.mlir import ir
 
 from tpucompile.errors import CompileError
+from tpucompile.runtime.compiler import for_target
 from tpucompile.runtime.target import Target, compile_options
 
 
@@ -103,8 +104,9 @@ def compile_for(module: ir.Module, target: Target, name: str) -> TargetExecutabl
             executable = target.client.compile(module, executable_devices=target.device_list(),
                                                compile_options=compile_options(target))
         else:  # a platform of this machine: its client compiles only by loading
+            program = for_target(module.operation.get_asm(enable_debug_info=True), target)
             executable = _Loaded(target.client, target.client.compile_and_load(
-                module.operation.get_asm(enable_debug_info=True), target.device_list(), compile_options(target)))
+                program, target.device_list(), compile_options(target)))
     except Exception as error:
         raise explain(error, target, name, module) from error
     return TargetExecutable(executable, time.perf_counter() - start)

@@ -5,16 +5,26 @@ from __future__ import annotations
 from jaxlib import xla_client
 
 from tpucompile.errors import CompileError
+from tpucompile.runtime.host_dots import rewrite_dots
 from tpucompile.runtime.target import Target, compile_options
 
 
 def compile_module(module: bytes | str, target: Target, num_partitions: int | None = None) -> object:
     """Compile StableHLO (MLIR bytecode or text) for ``target`` and load it on its devices (one partition per
     device unless ``num_partitions`` says otherwise)."""
+    module = for_target(module, target)
     try:
         return target.client.compile_and_load(module, target.device_list(), compile_options(target, num_partitions))
     except Exception as error:  # XlaRuntimeError and friends: keep XLA's words, say whose they are
         raise CompileError(f"XLA failed to compile the lowered program for {target.platform}: {error}") from error
+
+
+def for_target(module: bytes | str, target: Target) -> bytes | str:
+    """``module`` as ``target`` compiles it: on one CPU device with host BLAS kernels, its matrix products call
+    them (``host_dots``); otherwise unchanged."""
+    if target.host_blas is None or len(target.devices) != 1:
+        return module
+    return rewrite_dots(module, target.host_blas.dtypes)
 
 
 def unoptimized_hlo(module: bytes | str) -> str:
