@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.fx
 from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from tpucompile import aot_cache, dump
 from tpucompile.config import Options
@@ -64,4 +65,5 @@ def tpucompile_backend(
             bw_compiler=compiler("backward"),
             inference_compiler=compiler("inference"),
             decompositions=decomposition_table(),
+            partition_fn=min_cut_rematerialization_partition,
         )(gm, example_inputs))

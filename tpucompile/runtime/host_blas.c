@@ -13,6 +13,8 @@
  * which reads the same memory with the operands swapped, so no data moves.
  */
 
+#define _GNU_SOURCE
+#include <pthread.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
@@ -174,7 +176,12 @@ XLA_FFI_Error* tpucompile_host_gemm(XLA_FFI_CallFrame* frame) {
      * for it costs more than it saves, and the team's spinning workers then compete with XLA's own threads
      * for the cores (GPT inference, 128x64x192 products: 1.45 ms threaded against 0.69 ms sequential on
      * 2 cores). Larger products use the BLAS's configured threads (0 restores them). */
-    blas_threads_local((double)m * n * k >= PARALLEL_MACS ? 0 : 1);
+    static _Thread_local int on_xla_pool = -1;
+    if (on_xla_pool < 0) {
+      char name[32] = {0};
+      on_xla_pool = pthread_getname_np(pthread_self(), name, sizeof name) == 0 && strncmp(name, "tf_XLA", 6) == 0;
+    }
+    blas_threads_local(!on_xla_pool && (double)m * n * k >= PARALLEL_MACS ? 0 : 1);
   }
   int64_t lhs_step = (int64_t)m * k, rhs_step = (int64_t)k * n, out_step = (int64_t)m * n;
   /* Column-major view: out^T [n, m] = op(rhs)^T [n, k] @ op(lhs)^T [k, m]. */

@@ -105,22 +105,25 @@ def _replace(dot: Any, dtypes: frozenset[str]) -> bool:
 
 
 def _as_matrix(value: Any, batch: Sequence[int], contracting: int, contracting_last: bool) -> tuple | None:
-    """(value to pass, its shape as [B, rows, cols], transposed?) for one operand, or None. A transpose that
-    defines the operand is read through when that qualifies: the kernel's flag replaces XLA's copy."""
+    """(value to pass, its shape as [B, rows, cols], transposed?) for one operand, or None. Transposes that
+    define the operand are read through, the outermost source that qualifies first: the kernel's flag replaces
+    XLA's copy, and a chain such as AOTAutograd's ``permute(permute(w))`` reads ``w`` itself."""
     shape = list(ir.RankedTensorType(value.type).shape)
     free = [d for d in range(len(shape)) if d not in batch and d != contracting]
-    owner = value.owner
-    if not isinstance(owner, ir.Block) and owner.operation.name == "stablehlo.transpose":
-        source = owner.operands[0]
+    candidates = [(value, list(range(len(shape))))]  # (source, where each operand dim lies in the source)
+    while True:
+        source, where = candidates[-1]
+        owner = source.owner
+        if isinstance(owner, ir.Block) or owner.operation.name != "stablehlo.transpose":
+            break
         permutation = list(ir.DenseI64ArrayAttr(owner.attributes["permutation"]))
-        through = _layout(list(ir.RankedTensorType(source.type).shape), [permutation[d] for d in batch],
-                          permutation[contracting], [permutation[d] for d in free], contracting_last)
-        if through is not None:
-            return source, through[0], through[1]
-    direct = _layout(shape, batch, contracting, free, contracting_last)
-    if direct is None:
-        return None
-    return value, direct[0], direct[1]
+        candidates.append((owner.operands[0], [permutation[d] for d in where]))
+    for source, where in reversed(candidates):
+        layout = _layout(list(ir.RankedTensorType(source.type).shape), [where[d] for d in batch],
+                         where[contracting], [where[d] for d in free], contracting_last)
+        if layout is not None:
+            return source, layout[0], layout[1]
+    return None
 
 
 def _layout(shape: list[int], batch: Sequence[int], contracting: int, free: Sequence[int],
