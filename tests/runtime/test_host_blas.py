@@ -30,7 +30,9 @@ RNG = np.random.default_rng(0)
 @pytest.fixture(scope="module")
 def targets():
     target = get_target("cpu")
-    assert target.host_blas is not None, "the host BLAS kernels did not build or bind on this machine"
+    assert target.host_blas is not None, (
+        "the host BLAS kernels did not build or bind on this machine (they need a C compiler, $CC or cc, and "
+        "torch's sgemm_; the reason is logged at INFO by logger 'tpucompile')")
     return target, dataclasses.replace(target, host_blas=None)
 
 
