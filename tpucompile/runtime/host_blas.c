@@ -99,6 +99,10 @@ int tpucompile_host_blas_selftest(void) {
   return f32_ok | f64_ok << 1 | bf16_ok << 2;
 }
 
+static void restore_blas_threads(const int* previous) {
+  if (*previous >= 0 && blas_threads_local != NULL) blas_threads_local(*previous);
+}
+
 static XLA_FFI_Error* error(const XLA_FFI_Api* api, XLA_FFI_Error_Code code, const char* message) {
   XLA_FFI_Error_Create_Args args;
   memset(&args, 0, sizeof args);
@@ -171,6 +175,9 @@ XLA_FFI_Error* tpucompile_host_gemm(XLA_FFI_CallFrame* frame) {
     return error(frame->api, XLA_FFI_Error_Code_INVALID_ARGUMENT, "tpucompile_host_gemm: operand shapes disagree");
   }
   if (m == 0 || n == 0) return NULL;
+  /* The thread count is set for this call only: the caller's own BLAS calls (torch's, on the same thread)
+   * keep theirs. The cleanup attribute restores it on every return. */
+  int saved_threads __attribute__((cleanup(restore_blas_threads))) = -1;
   if (blas_threads_local != NULL) {
     /* Below PARALLEL_MACS multiply-adds a product runs on this thread alone: forking the BLAS's OpenMP team
      * for it costs more than it saves, and the team's spinning workers then compete with XLA's own threads
@@ -181,7 +188,7 @@ XLA_FFI_Error* tpucompile_host_gemm(XLA_FFI_CallFrame* frame) {
       char name[32] = {0};
       on_xla_pool = pthread_getname_np(pthread_self(), name, sizeof name) == 0 && strncmp(name, "tf_XLA", 6) == 0;
     }
-    blas_threads_local(!on_xla_pool && (double)m * n * k >= PARALLEL_MACS ? 0 : 1);
+    saved_threads = blas_threads_local(!on_xla_pool && (double)m * n * k >= PARALLEL_MACS ? 0 : 1);
   }
   int64_t lhs_step = (int64_t)m * k, rhs_step = (int64_t)k * n, out_step = (int64_t)m * n;
   /* Column-major view: out^T [n, m] = op(rhs)^T [n, k] @ op(lhs)^T [k, m]. */
