@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import copy
+import gc
+import weakref
+
 import pytest
 import torch
 from support import assert_compiles_like_eager, compile_fn
 
 from tpucompile import driver
+from tpucompile.runtime import executable as executable_module
 from tpucompile.runtime import get_target
+from tpucompile.runtime.resident import ResidentBuffers, resident_buffers
 from tpucompile.runtime.transfer import to_buffer, to_tensor
 
 
@@ -41,6 +47,10 @@ def test_in_place_change_of_an_input_is_seen_by_the_next_call():
     torch.testing.assert_close(f(w, x), x @ w)
     w.data = torch.randn(3, 3)  # new storage behind the same tensor object
     torch.testing.assert_close(f(w, x), x @ w)
+    w.data = w.data.t()  # same storage and sizes, other strides
+    torch.testing.assert_close(f(w, x), x @ w)
+    w.data = w.data.view(torch.int32).view(torch.float32)  # same storage, sizes and dtype: a new tensor impl
+    torch.testing.assert_close(f(w, x), x @ w)
 
 
 def test_outputs_do_not_alias_inputs():
@@ -62,3 +72,80 @@ def test_unchanged_inputs_reuse_their_device_buffers():
     second = executable.buffers([w, torch.randn(2, 3)])
     assert first[0] is second[0]
     assert first[1] is not second[1]
+
+
+def test_a_training_step_imports_only_what_changed_out_of_place(monkeypatch):
+    """Weights cross once for the whole run (their buffers share memory and see the optimiser's in-place
+    updates); the backward gets the forward's saved activations back without importing them; only the
+    loss gradient, made by eager code outside the graph, is imported each step."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.SiLU(), torch.nn.Linear(16, 4))
+    eager = copy.deepcopy(model)
+    compiled = compile_fn(model)
+    x, labels = torch.randn(5, 8), torch.randint(0, 4, (5,))
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (eager, model)]
+    imports = []
+    real_to_buffer = executable_module.to_buffer
+    monkeypatch.setattr(executable_module, "to_buffer", lambda t, d: imports.append(t) or real_to_buffer(t, d))
+    for step in range(4):
+        imports.clear()
+        for net, optimizer in zip((eager, compiled), optimizers, strict=True):
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(net(x), labels).backward()
+            optimizer.step()
+        for p, q in zip(model.parameters(), eager.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad)
+            torch.testing.assert_close(p, q)
+        if step > 0:
+            assert [tuple(t.shape) for t in imports] == [(5, 4)], [tuple(t.shape) for t in imports]
+
+
+def test_outputs_fed_back_in_are_not_imported_again(monkeypatch):
+    f = compile_fn(lambda a: a * 2 + 1)
+    a = torch.randn(4, 4)
+    b = f(a)
+    imports = []
+    real_to_buffer = executable_module.to_buffer
+    monkeypatch.setattr(executable_module, "to_buffer", lambda t, d: imports.append(t) or real_to_buffer(t, d))
+    c = f(b)
+    torch.testing.assert_close(c, (a * 2 + 1) * 2 + 1)
+    assert imports == []
+    b.add_(1)  # seen through the shared memory
+    torch.testing.assert_close(f(b), (a * 2 + 2) * 2 + 1)
+
+
+def test_resident_entries_go_with_their_tensors():
+    """An imported buffer holds its tensor (and so its Python object) alive: the table must not keep it."""
+    device = get_target().device
+    resident = resident_buffers(device)
+    f = compile_fn(lambda a: a.sin())
+    f(torch.randn(64))
+    before = len(resident)
+    inputs, outputs = [], []
+    for _ in range(4):
+        a = torch.randn(64)
+        out = f(a)
+        inputs.append(weakref.ref(a))
+        outputs.append(weakref.ref(out))
+        del a, out
+    gc.collect()
+    assert [r() is None for r in outputs] == [True] * 4
+    assert [r() is None for r in inputs] == [True, True, True, False]  # the last is still the slot's
+    assert len(resident) <= before + 1
+
+
+def test_a_copied_buffer_is_served_only_at_the_version_it_was_copied_at():
+    device = get_target().device
+    resident = ResidentBuffers()
+    t = torch.randn(3, 3)
+    buffer = to_buffer(t, device)
+    resident.remember(t, buffer, shares_memory=False, imported=False)
+    assert resident.get(t) is buffer
+    t.add_(1)
+    assert resident.get(t) is None
+    resident.remember(t, buffer, shares_memory=True, imported=False)
+    t.add_(1)
+    assert resident.get(t) is buffer
+    assert resident.get(t.t()) is None and resident.get(t.clone()) is None
+    resident.remember(t.t(), buffer, shares_memory=True, imported=False)  # a strided tensor is never remembered
+    assert len(resident) == 1

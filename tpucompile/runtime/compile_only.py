@@ -17,6 +17,7 @@ from jax.extend.mlir import ir
 
 from tpucompile.errors import CompileError
 from tpucompile.runtime.compiler import for_target
+from tpucompile.runtime.mlir_walk import walk_operations
 from tpucompile.runtime.target import Target, compile_options
 
 
@@ -69,7 +70,7 @@ def check_supported(module: ir.Module, target: Target, name: str) -> None:
     forbidden = _UNSUPPORTED.get(target.platform)
     if not forbidden:
         return
-    for op in _operations(module.operation):
+    for op in walk_operations(module.operation):
         types = [str(v.type) for v in (*op.operands, *op.results)]
         for type_text in types:
             for element, why in forbidden.items():
@@ -77,14 +78,6 @@ def check_supported(module: ir.Module, target: Target, name: str) -> None:
                     raise TargetCompileError(
                         f"{name} cannot be compiled for {target.name}: {_where(str(op.location), op.name)} "
                         f"computes {type_text}; {why}", str(target.name))
-
-
-def _operations(operation: Any) -> Any:
-    for region in operation.regions:
-        for block in region.blocks:
-            for op in block.operations:
-                yield op.operation
-                yield from _operations(op.operation)
 
 
 def _where(location: str, fallback: str) -> str:
@@ -141,7 +134,7 @@ def explain(error: Exception, target: Target, name: str, module: ir.Module | Non
     op = _OP_NAME.search(text)
     if op is not None:
         parts.append(op["op"])
-        locations = (_LOCATION.search(str(o.location)) for o in _operations(module.operation)) if module else ()
+        locations = (_LOCATION.search(str(o.location)) for o in walk_operations(module.operation)) if module else ()
         where = next((m for m in locations if m is not None and m["op"] == op["op"]), None)
         if where is not None:
             parts.append(f"at {where['file']}:{where['line']}")

@@ -1,18 +1,19 @@
 """The callable handed back to AOTAutograd: torch tensors in, one PJRT execute, torch tensors out.
 
 This is the per-call hot path, so it does the least Python it can: input positions and the output plan are
-precomputed lists, and an input whose tensor is unchanged since the last call (same object, storage and
-version counter) reuses its device buffer instead of being imported again — weights usually are.
+precomputed lists, and an input whose tensor is unchanged since it last crossed to the device (same object,
+storage and version counter) reuses that device buffer instead of being imported again: weights between
+steps, and in training the weights and saved activations a backward receives from its forward.
 """
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from tpucompile.runtime.resident import resident_buffers, shares_host_memory
 from tpucompile.runtime.transfer import to_buffer, to_tensor
 
 RESULT, INPUT, CONSTANT, TRIMMED = 0, 1, 2, 3
@@ -46,7 +47,10 @@ class GraphExecutable:
         self.input_positions = list(input_positions)
         self.output_plan = list(output_plan)
         self.constants = list(constants)
-        self._buffer_cache: list[tuple | None] = [None] * len(self.input_positions)
+        self._resident = resident_buffers(device)
+        self._imported: list[Any] = [None] * len(self.input_positions)
+        """Per argument slot, the buffer last imported for it: what keeps it in the resident table."""
+        self._shares_memory = shares_host_memory(device)
         self.program_key: str | None = None
         """The program cache key this executable was built from, when it can be rebuilt from it alone."""
         self._results_in_order = self.output_plan == [(RESULT, i) for i in range(len(self.output_plan))] and (
@@ -58,35 +62,39 @@ class GraphExecutable:
         if self.constants:
             args = [*args, *self.constants]
         device = self.device
-        cache = self._buffer_cache
+        resident = self._resident
+        imported = self._imported
         buffers = []
         for slot, position in enumerate(self.input_positions):
             if position == SEED_POSITION:
                 buffers.append(to_buffer(_draw_seed(), device))
                 continue
             tensor = args[position]
-            entry = cache[slot]
-            if (
-                entry is not None
-                and entry[0]() is tensor
-                and entry[1] == tensor._version
-                and entry[2] == tensor.data_ptr()
-            ):
-                buffers.append(entry[3])
-                continue
-            buffer = to_buffer(tensor, device)
-            cache[slot] = (weakref.ref(tensor), tensor._version, tensor.data_ptr(), buffer)
+            buffer = resident.get(tensor)
+            if buffer is None:
+                buffer = to_buffer(tensor, device)
+                resident.remember(
+                    tensor, buffer, imported=True,
+                    shares_memory=self._shares_memory and buffer.unsafe_buffer_pointer() == tensor.data_ptr(),
+                )
+                imported[slot] = buffer
             buffers.append(buffer)
         return buffers
+
+    def _exported(self, result: Any) -> torch.Tensor:
+        """A program result as a torch tensor, remembered so that passing it back in costs no import."""
+        tensor = to_tensor(result)
+        self._resident.remember(tensor, result, shares_memory=self._shares_memory, imported=False)
+        return tensor
 
     def __call__(self, args: list[Any]) -> list[Any]:
         results = self.loaded.execute(self.buffers(args))
         if self._results_in_order:
-            return [to_tensor(result) for result in results]
+            return [self._exported(result) for result in results]
         outputs = []
         for kind, value in self.output_plan:
             if kind == RESULT:
-                outputs.append(to_tensor(results[value]))
+                outputs.append(self._exported(results[value]))
             elif kind == INPUT:
                 outputs.append(args[value])
             elif kind == TRIMMED:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import io
 import math
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -27,6 +27,7 @@ from jax.extend.mlir.dialects import stablehlo as hlo
 from jax.interpreters import mlir as jax_mlir
 
 from tpucompile.runtime.host_blas import TARGET_NAME
+from tpucompile.runtime.mlir_walk import walk_operations
 
 _INT32_MAX = 2**31 - 1
 _local = threading.local()
@@ -43,21 +44,13 @@ def rewrite_dots(module: bytes | str, dtypes: frozenset[str]) -> bytes | str:
         context = _local.context = jax_mlir.make_ir_context()
     with context, ir.Location.unknown():
         parsed = ir.Module.parse(module)
-        dots = [op for op in _operations(parsed.operation) if op.name == "stablehlo.dot_general"]
+        dots = [op for op in walk_operations(parsed.operation) if op.name == "stablehlo.dot_general"]
         replaced = sum(_replace(dot, dtypes) for dot in dots)
         if not replaced:
             return module
         stream = io.BytesIO()
         parsed.operation.write_bytecode(stream)
         return stream.getvalue()
-
-
-def _operations(operation: Any) -> Iterator[Any]:
-    for region in operation.regions:
-        for block in region.blocks:
-            for op in block.operations:
-                yield op.operation
-                yield from _operations(op.operation)
 
 
 _KERNEL_DTYPES = {("f32", "f32", "f32"): "f32", ("f64", "f64", "f64"): "f64", ("bf16", "bf16", "f32"): "bf16"}
