@@ -196,3 +196,29 @@ def _as_text(module) -> str:
 
     with jax_mlir.make_ir_context():
         return str(ir.Module.parse(module))
+
+
+def test_products_run_on_the_callers_thread_leave_its_blas_threads_alone(tmp_path):
+    """Torch's own BLAS calls share the thread a CPU program runs on; changing MKL's per-thread count there
+    (even if restored) left later eager products on that thread less precise in some processes. Every
+    call the kernel makes to the thread-count setter is recorded, with the thread it came from."""
+    script = textwrap.dedent("""
+        import ctypes, json, threading, torch
+        from tpucompile.runtime.host_blas import kernels
+        library = kernels().library
+        calls = []
+        @ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int)
+        def recording_setter(count):
+            calls.append(threading.current_thread() is threading.main_thread())
+            return 0
+        library.tpucompile_host_blas_threads(ctypes.cast(recording_setter, ctypes.c_void_p))
+        f = torch.compile(lambda a, b, c: torch.tanh(a @ b) @ c, backend="tpucompile")
+        for m in (8, 256):  # below and above the size at which the BLAS forks threads
+            a, b, c = torch.randn(m, 256), torch.randn(256, 512) / 16, torch.randn(512, 128) / 16
+            torch.testing.assert_close(f(a, b, c), torch.tanh(a @ b) @ c, atol=1e-4, rtol=1e-4)
+        print(json.dumps({"from_main_thread": sum(calls)}))
+    """)
+    env = {**os.environ, "TPUCOMPILE_CACHE_DIR": str(tmp_path / "cache")}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == {"from_main_thread": 0}

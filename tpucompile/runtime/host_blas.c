@@ -34,8 +34,6 @@ typedef void bf16_gemm_f32(int layout, int transa, int transb, int m, int n, int
 
 enum { CBLAS_ROW_MAJOR = 101, CBLAS_NO_TRANS = 111, CBLAS_TRANS = 112 };
 
-#define PARALLEL_MACS 4194304.0
-
 typedef int set_local_threads(int count);
 
 static set_local_threads* blas_threads_local;
@@ -97,10 +95,6 @@ int tpucompile_host_blas_selftest(void) {
     bf16_ok = c[0] == 5.0f && c[1] == 3.0f && c[2] == 4.0f && c[3] == 3.0f;
   }
   return f32_ok | f64_ok << 1 | bf16_ok << 2;
-}
-
-static void restore_blas_threads(const int* previous) {
-  if (*previous >= 0 && blas_threads_local != NULL) blas_threads_local(*previous);
 }
 
 static XLA_FFI_Error* error(const XLA_FFI_Api* api, XLA_FFI_Error_Code code, const char* message) {
@@ -175,20 +169,21 @@ XLA_FFI_Error* tpucompile_host_gemm(XLA_FFI_CallFrame* frame) {
     return error(frame->api, XLA_FFI_Error_Code_INVALID_ARGUMENT, "tpucompile_host_gemm: operand shapes disagree");
   }
   if (m == 0 || n == 0) return NULL;
-  /* The thread count is set for this call only: the caller's own BLAS calls (torch's, on the same thread)
-   * keep theirs. The cleanup attribute restores it on every return. */
-  int saved_threads __attribute__((cleanup(restore_blas_threads))) = -1;
+  /* On XLA's own pool threads (which XLA uses once a program has gone asynchronous) the BLAS runs on that
+   * thread alone: an OpenMP team forked from there would compete with XLA's pool and torch's team for the
+   * cores. The setting lasts for the thread, which only XLA uses. On every other thread (torch's, where the
+   * program runs inline) the BLAS keeps its configured threads: changing MKL's per-thread count there and
+   * back made later eager torch products on that thread lose precision in about one process in twenty
+   * (half the rows of a 128x256x512 product off by up to 1.5e-4), so the caller's BLAS state is not touched. */
   if (blas_threads_local != NULL) {
-    /* Below PARALLEL_MACS multiply-adds a product runs on this thread alone: forking the BLAS's OpenMP team
-     * for it costs more than it saves, and the team's spinning workers then compete with XLA's own threads
-     * for the cores (GPT inference, 128x64x192 products: 1.45 ms threaded against 0.69 ms sequential on
-     * 2 cores). Larger products use the BLAS's configured threads (0 restores them). */
-    static _Thread_local int on_xla_pool = -1;
-    if (on_xla_pool < 0) {
+    static _Thread_local int pinned = 0;
+    if (!pinned) {
       char name[32] = {0};
-      on_xla_pool = pthread_getname_np(pthread_self(), name, sizeof name) == 0 && strncmp(name, "tf_XLA", 6) == 0;
+      if (pthread_getname_np(pthread_self(), name, sizeof name) == 0 && strncmp(name, "tf_XLA", 6) == 0) {
+        blas_threads_local(1);
+      }
+      pinned = 1;
     }
-    saved_threads = blas_threads_local(!on_xla_pool && (double)m * n * k >= PARALLEL_MACS ? 0 : 1);
   }
   int64_t lhs_step = (int64_t)m * k, rhs_step = (int64_t)k * n, out_step = (int64_t)m * n;
   /* Column-major view: out^T [n, m] = op(rhs)^T [n, k] @ op(lhs)^T [k, m]. */
