@@ -190,6 +190,8 @@ def encode_argument(value: Any, bindings: ShapeBindings) -> Any:
         return {type(value).__name__: str(value)}
     if isinstance(value, slice):
         return {"slice": [encode_argument(v, bindings) for v in (value.start, value.stop, value.step)]}
+    if value is Ellipsis:  # x[..., :half] (rotary embeddings) indexes with it
+        return {"ellipsis": None}
     if isinstance(value, torch._ops.OpOverload):
         return {"op": str(value)}
     raise Uncacheable(f"argument of type {type(value).__name__}")

@@ -97,6 +97,32 @@ def test_warm_inference_runs_from_the_plan(cache_dir):
         assert [e.graph is not None for e in events] == [traced]
 
 
+def test_graphs_indexing_with_an_ellipsis_get_a_plan(cache_dir):
+    """Rotary embeddings slice ``x[..., :half]``: the Dynamo graph holds an Ellipsis, which the plan key
+    encodes (and keeps apart from the same slice without it)."""
+    def rotate(x, w):
+        h = x @ w
+        half = h.shape[-1] // 2
+        return torch.cat((-h[..., half:], h[..., :half]), dim=-1) * h
+
+    x, w = torch.randn(2, 3, 8), torch.randn(8, 8, requires_grad=True)
+    rotate(x, w).sum().backward()
+    expected = w.grad.clone()
+    for traced in (True, False):
+        compile_cache.clear_memory()
+        torch._dynamo.reset()
+        w.grad = None
+        events = []
+        remove = driver.add_observer(events.append)
+        torch.compile(rotate, backend="tpucompile")(x, w).sum().backward()
+        remove()
+        assert [e.graph is not None for e in events] == [traced, traced]
+        torch.testing.assert_close(w.grad, expected)
+    bindings = None
+    assert compile_cache.encode_argument((Ellipsis, slice(None, 4)), bindings) != compile_cache.encode_argument(
+        (slice(None, 4),), bindings)
+
+
 def test_graphs_with_input_mutations_get_no_plan(cache_dir):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
