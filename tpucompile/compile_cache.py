@@ -190,7 +190,7 @@ def encode_argument(value: Any, bindings: ShapeBindings) -> Any:
         return {type(value).__name__: str(value)}
     if isinstance(value, slice):
         return {"slice": [encode_argument(v, bindings) for v in (value.start, value.stop, value.step)]}
-    if value is Ellipsis:  # x[..., :half] (rotary embeddings) indexes with it
+    if value is Ellipsis:  # indexing such as pairs[..., 0] (Llama's rotary embedding) holds one
         return {"ellipsis": None}
     if isinstance(value, torch._ops.OpOverload):
         return {"op": str(value)}

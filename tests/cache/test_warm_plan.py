@@ -98,8 +98,8 @@ def test_warm_inference_runs_from_the_plan(cache_dir):
 
 
 def test_graphs_indexing_with_an_ellipsis_get_a_plan(cache_dir):
-    """Rotary embeddings slice ``x[..., :half]``: the Dynamo graph holds an Ellipsis, which the plan key
-    encodes (and keeps apart from the same slice without it)."""
+    """Indexing with ``...`` (``h[..., half:]``, as Llama's rotary embedding does): the Dynamo graph holds an
+    Ellipsis, which the plan key encodes (and keeps apart from the same slice without it)."""
     def rotate(x, w):
         h = x @ w
         half = h.shape[-1] // 2
