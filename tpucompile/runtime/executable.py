@@ -1,9 +1,9 @@
 """The callable handed back to AOTAutograd: torch tensors in, one PJRT execute, torch tensors out.
 
 This is the per-call hot path, so it does the least Python it can: input positions and the output plan are
-precomputed lists, and an input whose tensor is unchanged since it last crossed to the device (same object,
-storage and version counter) reuses that device buffer instead of being imported again: weights between
-steps, and in training the weights and saved activations a backward receives from its forward.
+precomputed lists, and an input whose tensor already crossed to the device reuses that device buffer instead
+of being imported again (``runtime/resident.py`` says when an entry is still valid): weights between steps,
+and in training the weights and saved activations a backward receives from its forward.
 """
 
 from __future__ import annotations

@@ -176,13 +176,13 @@ XLA_FFI_Error* tpucompile_host_gemm(XLA_FFI_CallFrame* frame) {
    * back made later eager torch products on that thread lose precision in about one process in twenty
    * (half the rows of a 128x256x512 product off by up to 1.5e-4), so the caller's BLAS state is not touched. */
   if (blas_threads_local != NULL) {
-    static _Thread_local int pinned = 0;
-    if (!pinned) {
+    static _Thread_local int thread_checked = 0;
+    if (!thread_checked) {
       char name[32] = {0};
       if (pthread_getname_np(pthread_self(), name, sizeof name) == 0 && strncmp(name, "tf_XLA", 6) == 0) {
         blas_threads_local(1);
       }
-      pinned = 1;
+      thread_checked = 1;
     }
   }
   int64_t lhs_step = (int64_t)m * k, rhs_step = (int64_t)k * n, out_step = (int64_t)m * n;

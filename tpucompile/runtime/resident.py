@@ -37,6 +37,8 @@ class ResidentBuffers:
 
     def __init__(self) -> None:
         self._entries: dict[int, tuple[Any, ...]] = {}
+        """id(tensor) -> (weak ref to the tensor, version or None when the buffer shares its memory, data
+        pointer, dtype, sizes, buffer held strongly or None, weak ref to the buffer or None)."""
 
     def __len__(self) -> int:
         return len(self._entries)
