@@ -9,6 +9,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+from eager_reference import settle_vector_math_dispatch
+
+# Eager results are the reference: settle oneMKL's kernel choice before any test can race on it.
+settle_vector_math_dispatch()
+
 # Tests are strict: an op without a lowering fails instead of quietly running in eager PyTorch. The tests of
 # the eager fallback itself ask for it explicitly.
 os.environ["TPUCOMPILE_FALLBACK"] = "error"

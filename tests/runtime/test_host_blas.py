@@ -199,9 +199,9 @@ def _as_text(module) -> str:
 
 
 def test_products_run_on_the_callers_thread_leave_its_blas_threads_alone(tmp_path):
-    """Torch's own BLAS calls share the thread a CPU program runs on; changing MKL's per-thread count there
-    (even if restored) left later eager products on that thread less precise in some processes. Every
-    call the kernel makes to the thread-count setter is recorded, with the thread it came from."""
+    """Torch's own BLAS calls share the thread a CPU program runs on, and its thread count there is torch's
+    and the user's (``torch.set_num_threads``): the kernel never changes it. Every call the kernel makes to
+    the thread-count setter is recorded, with the thread it came from."""
     script = textwrap.dedent("""
         import ctypes, json, threading, torch
         from tpucompile.runtime.host_blas import kernels

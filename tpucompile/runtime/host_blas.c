@@ -172,9 +172,8 @@ XLA_FFI_Error* tpucompile_host_gemm(XLA_FFI_CallFrame* frame) {
   /* On XLA's own pool threads (which XLA uses once a program has gone asynchronous) the BLAS runs on that
    * thread alone: an OpenMP team forked from there would compete with XLA's pool and torch's team for the
    * cores. The setting lasts for the thread, which only XLA uses. On every other thread (torch's, where the
-   * program runs inline) the BLAS keeps its configured threads: changing MKL's per-thread count there and
-   * back made later eager torch products on that thread lose precision in about one process in twenty
-   * (half the rows of a 128x256x512 product off by up to 1.5e-4), so the caller's BLAS state is not touched. */
+   * program runs inline) the BLAS keeps the thread count torch and the user configured: the kernel does not
+   * change per-thread state its caller owns (MKL already runs small products on one thread by itself). */
   if (blas_threads_local != NULL) {
     static _Thread_local int thread_checked = 0;
     if (!thread_checked) {
