@@ -7,17 +7,21 @@ but the trace would still run, only to find the same graphs again. This module s
 
 A **plan** records, for one Dynamo graph, the program cache keys of the graphs AOTAutograd produced and how
 to call them: for inference one program that takes Dynamo's arguments and returns its outputs; for training
-a forward that returns the outputs followed by the tensors saved for the backward, and a backward that takes
-the saved tensors and the gradients of the differentiable outputs and returns one gradient per argument.
+a forward that returns the new values of the arguments it updates in place, the outputs and the tensors saved
+for the backward, and a backward that takes the saved tensors and the gradients of the differentiable outputs
+and returns one gradient per argument. The runner copies the new values into those arguments, as
+AOTAutograd's wrapper does (BatchNorm's running statistics in training).
 Plans are plain JSON entries of the persistent cache (kind ``plan``), keyed by a canonical encoding of the
 Dynamo graph, a digest of its nodes' source lines (the programs carry them, as in the program layer), its
 example arguments (dtype, shape, strides, ``requires_grad``), grad and autocast modes, the options, torch's
 version and the environment of the other layers.
 
-Only graphs whose AOTAutograd wrappers do nothing but call the compiled graph get a plan: no input mutations,
-no outputs aliasing inputs or intermediates, no effect tokens, no tensor subclasses, no symbolic sizes, no
-duplicated arguments, a single compiled region per graph, no compile-only targets, no mesh. Everything else takes the
-ordinary path, as does every graph while a dump is recording (dumps show AOTAutograd's graphs).
+Only graphs whose AOTAutograd wrappers do nothing but call the compiled graph (and copy updated values into
+arguments) get a plan: in-place updates only of the values of arguments that need no gradient, and only in
+training graphs (inference graphs keep them inside the program); no outputs aliasing inputs or
+intermediates, no effect tokens, no tensor subclasses, no symbolic sizes, no duplicated arguments, a single
+compiled region per graph, no compile-only targets, no mesh. Everything else takes the ordinary path, as does
+every graph while a dump is recording (dumps show AOTAutograd's graphs).
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ from tpucompile.runtime import GraphExecutable, get_target
 
 log = logging.getLogger("tpucompile")
 
-PLAN_SCHEMA = 1
+PLAN_SCHEMA = 2
 _ROLE_ORDER = ("inference", "forward", "backward")
 
 
@@ -174,6 +178,7 @@ class PlanRecorder:
         if role in ("inference", "forward"):
             metadata = torch._guards.TracingContext.get().fw_metadata
             entry["returns"] = metadata.num_forward_returns
+            entry["updated"] = list(metadata.mutated_inp_runtime_indices)
             entry["differentiable"] = [bool(o.requires_grad) for o in metadata.output_info]
         else:
             entry["tangents"] = sum(1 for n in placeholders if n.name.startswith("tangents"))
@@ -195,8 +200,17 @@ class PlanRecorder:
             return "no AOTAutograd metadata"
         if len(placeholders) != self.input_count:
             return "AOTAutograd changed the arguments"
-        if any(i.mutates_data or i.mutates_metadata for i in metadata.input_info):
-            return "input mutations"
+        mutated = [i for i, info in enumerate(metadata.input_info) if info.mutates_data or info.mutates_metadata]
+        if mutated and role == "inference":
+            return "input mutations in an inference graph"
+        if any(_not_a_plain_update(metadata.input_info[i]) for i in mutated):
+            return "input mutations other than value updates of arguments that need no gradient"
+        if list(metadata.mutated_inp_runtime_indices) != mutated or (
+                metadata.num_forward_returns != len(mutated) + len(metadata.output_info)):
+            return "updated arguments not returned first"
+        returned = _outputs(gm)[len(mutated):]
+        if any(getattr(o, "op", None) == "placeholder" and placeholders.index(o) in mutated for o in returned):
+            return "an updated argument is also returned or saved"
         if metadata.num_intermediate_bases or metadata.tokens or metadata.num_backward_tokens:
             return "aliased intermediates or effect tokens"
         if metadata.num_symints_saved_for_bw or metadata.num_opaque_objects_saved_for_bw:
@@ -224,6 +238,13 @@ class PlanRecorder:
                 log.debug("tpucompile: no plan for this graph (tangents do not match differentiable outputs)")
                 return
         compile_cache.store_plan(self.components, plan, time.perf_counter() - self.start, self.options)
+
+
+def _not_a_plain_update(info: Any) -> bool:
+    """Whether an argument's mutation needs more of AOTAutograd's wrapper than a ``copy_`` of its new value:
+    changed sizes or storage, or an argument autograd must see updated."""
+    return bool(info.mutates_metadata or info.mutates_storage_metadata or info.mutation_inductor_storage_resize
+                or info.requires_grad or info.keep_input_mutations)
 
 
 def _outputs(gm: torch.fx.GraphModule) -> list[Any]:
@@ -267,12 +288,16 @@ def _training_runner(
     """An autograd.Function over the forward and backward programs, as AOTAutograd's is for plain graphs."""
     returns = roles["forward"]["returns"]
     differentiable = roles["forward"]["differentiable"]
+    updated = roles["forward"]["updated"]
+    first_output = len(updated)
 
     class CompiledGraph(torch.autograd.Function):
         @staticmethod
         def forward(ctx: Any, *args: Any) -> tuple[Any, ...]:
             results = forward(list(args))
-            outputs, saved = results[:returns], results[returns:]
+            for index, value in zip(updated, results[:first_output], strict=True):
+                args[index].copy_(value)  # grad mode is off in here; these arguments need no gradient
+            outputs, saved = results[first_output:returns], results[returns:]
             ctx.save_for_backward(*saved)
             ctx.mark_non_differentiable(*(o for o, d in zip(outputs, differentiable, strict=True) if not d))
             return tuple(outputs)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from cache_helpers import run_workload, workload_env
@@ -123,18 +125,68 @@ def test_graphs_indexing_with_an_ellipsis_get_a_plan(cache_dir):
         (slice(None, 4),), bindings)
 
 
-def test_graphs_with_input_mutations_get_no_plan(cache_dir):
+def test_batch_norm_training_runs_from_the_plan_and_updates_running_statistics(cache_dir):
+    """BatchNorm in training updates its running statistics in place: the forward returns their new values
+    first, and the plan's runner copies them into the buffers as AOTAutograd's wrapper does."""
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    initial = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.BatchNorm1d(6), torch.nn.ReLU(),
+                                  torch.nn.Linear(6, 2))
     x = torch.randn(8, 4)
+    eager = copy.deepcopy(initial)
+    for _ in range(2):
+        eager(x).square().sum().backward()
+    for traced in (True, False):
+        compile_cache.clear_memory()
+        torch._dynamo.reset()
+        model = copy.deepcopy(initial)
+        events = []
+        remove = driver.add_observer(events.append)
+        compiled = torch.compile(model, backend="tpucompile")
+        for _ in range(2):  # the second step must see the first one's running statistics
+            compiled(x).square().sum().backward()
+        remove()
+        assert [e.graph is not None for e in events] == [traced, traced]
+        for (name, got), want in zip(model.state_dict().items(), eager.state_dict().values(), strict=True):
+            torch.testing.assert_close(got, want, msg=name)
+        for (name, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, msg=name)
+    store = LocalStore(cache_dir)
+    assert [decode(store.read(k), k).kind for k in store.list_keys()].count("plan") == 1
+
+
+def _traced_twice(fn, make_args, grad: bool = True):
+    """Whether each of two fresh compiles of ``fn`` (on fresh arguments, with a backward where there is a
+    gradient) traced (True) or ran from a plan (False), per graph."""
+    seen = []
     for _ in range(2):
         compile_cache.clear_memory()
         torch._dynamo.reset()
         events = []
         remove = driver.add_observer(events.append)
-        torch.compile(model, backend="tpucompile")(x).sum().backward()
+        with torch.set_grad_enabled(grad):
+            out = torch.compile(fn, backend="tpucompile")(*make_args())
+            if out.requires_grad:
+                out.sum().backward()
         remove()
-        assert all(e.graph is not None for e in events), "the running stats update needs AOTAutograd's wrapper"
+        seen.append([e.graph is not None for e in events])
+    return seen
+
+
+def test_mutations_a_plan_cannot_replay_get_no_plan(cache_dir):
+    """Updates inside inference programs and updates of arguments that need gradients need AOTAutograd's
+    wrapper: those graphs are traced every time."""
+    def update_buffer(x, buffer):
+        buffer.add_(x.sum(0))
+        return x * buffer
+
+    def update_needing_grad(x, w):
+        x.mul_(2)
+        return x @ w
+
+    w = torch.randn(4, 4, requires_grad=True)
+    assert _traced_twice(update_buffer, lambda: (torch.randn(3, 4), torch.zeros(4)), grad=False) == [[True]] * 2
+    needing_grad = _traced_twice(update_needing_grad, lambda: (torch.randn(3, 4, requires_grad=True) * 1, w))
+    assert needing_grad == [[True, True]] * 2 and w.grad is not None
     store = LocalStore(cache_dir)
     assert "plan" not in {decode(store.read(k), k).kind for k in store.list_keys()}
 
