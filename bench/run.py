@@ -146,7 +146,8 @@ def table(results: dict, backends: list[str], modes: list[str], models: list[str
                                                                        f"{r['warm_start_s']:.2f}")
                 lines.append(
                     f"| {model} | {mode} | {backend} | {r['step_ms']:.2f} ({r['step_min_ms']:.2f}-"
-                    f"{r['step_max_ms']:.2f}) | {speedup:.2f}x | {compile_cells[0]} | {compile_cells[1]} | "
+                    f"{r['step_max_ms']:.2f}) | {'-' if math.isnan(speedup) else f'{speedup:.2f}x'} | "
+                    f"{compile_cells[0]} | {compile_cells[1]} | "
                     f"{r['peak_mb']:.0f} |"
                 )
     lines.append("")
@@ -154,6 +155,8 @@ def table(results: dict, backends: list[str], modes: list[str], models: list[str
     lines.append("|---|---|---:|---:|")
     for (backend, mode), values in sorted(speedups.items()):
         lines.append(f"| {backend} | {mode} | {geomean(values):.2f}x | {len(values)} |")
+    if not speedups:
+        lines.append("| - | - | (eager was not run: no speedups) | - |")
     return "\n".join(lines)
 
 
