@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
 import subprocess
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 WORKLOAD = pathlib.Path(__file__).with_name("workload.py")
@@ -41,20 +42,30 @@ def executable_events(result: Mapping[str, Any]) -> list[dict[str, Any]]:
     return list(result["events"])
 
 
-def compile_and_run(fn, *inputs, **options):
-    """Compile ``fn`` with tpucompile in this process (in-memory tiers emptied first); return (result,
-    events). Persistent tiers are whatever the environment and ``options`` say."""
+@contextlib.contextmanager
+def fresh_start() -> Iterator[list]:
+    """A fresh start as far as this process is concerned (tpucompile's in-memory tiers and Dynamo's caches
+    emptied; only persistent tiers stay warm); yields the list that collects tpucompile's compile events."""
     import torch
 
     from tpucompile import compile_cache, driver
 
     compile_cache.clear_memory()
     torch._dynamo.reset()
-    events = []
+    events: list = []
     remove = driver.add_observer(events.append)
     try:
-        compiled = torch.compile(fn, backend="tpucompile", fullgraph=True, options=options or None)
-        result = compiled(*inputs)
+        yield events
     finally:
         remove()
+
+
+def compile_and_run(fn, *inputs, **options):
+    """Compile ``fn`` with tpucompile in this process (in-memory tiers emptied first); return (result,
+    events). Persistent tiers are whatever the environment and ``options`` say."""
+    import torch
+
+    with fresh_start() as events:
+        compiled = torch.compile(fn, backend="tpucompile", fullgraph=True, options=options or None)
+        result = compiled(*inputs)
     return result, events

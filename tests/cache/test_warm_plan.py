@@ -6,9 +6,9 @@ import copy
 
 import pytest
 import torch
-from cache_helpers import run_workload, workload_env
+from cache_helpers import fresh_start, run_workload, workload_env
 
-from tpucompile import compile_cache, driver
+from tpucompile import compile_cache
 from tpucompile.cache import LocalStore, decode
 
 
@@ -25,18 +25,12 @@ def _model():
 
 def _train_step(model, x, compile_it: bool):
     """Loss and gradients of one step, with the events of what tpucompile compiled or loaded."""
-    compile_cache.clear_memory()  # a fresh start as far as tpucompile is concerned: only the disk is warm
-    torch._dynamo.reset()
-    events = []
-    remove = driver.add_observer(events.append)
-    try:
+    with fresh_start() as events:  # only the disk is warm
         run = torch.compile(model, backend="tpucompile") if compile_it else model
         model.zero_grad()
         out = run(x)
         loss = out.pow(2).sum() + out.detach().sum()  # the second output use is not differentiated
         loss.backward()
-    finally:
-        remove()
     return loss.detach(), [p.grad.clone() for p in model.parameters()], events
 
 
@@ -68,14 +62,10 @@ def test_non_differentiable_outputs_and_unused_gradients(cache_dir):
     expected[0].sum().backward()
     want_w, want_b = w.grad.clone(), b.grad
     for traced in (True, False):
-        compile_cache.clear_memory()
-        torch._dynamo.reset()
         w.grad = b.grad = None
-        events = []
-        remove = driver.add_observer(events.append)
-        h, index, third = torch.compile(fn, backend="tpucompile")(x, w, b)
-        h.sum().backward()  # no gradient flows into ``third``; ``index`` is not differentiable
-        remove()
+        with fresh_start() as events:
+            h, index, third = torch.compile(fn, backend="tpucompile")(x, w, b)
+            h.sum().backward()  # no gradient flows into ``third``; ``index`` is not differentiable
         assert [e.graph is not None for e in events] == [traced, traced]
         assert not index.requires_grad and third.requires_grad
         torch.testing.assert_close(index, expected[1])
@@ -88,13 +78,8 @@ def test_warm_inference_runs_from_the_plan(cache_dir):
     model, x = _model(), torch.randn(5, 6)
     expected = model(x).detach()
     for traced in (True, False):
-        compile_cache.clear_memory()
-        torch._dynamo.reset()
-        events = []
-        remove = driver.add_observer(events.append)
-        with torch.no_grad():
+        with fresh_start() as events, torch.no_grad():
             result = torch.compile(model, backend="tpucompile")(x)
-        remove()
         torch.testing.assert_close(result, expected)
         assert [e.graph is not None for e in events] == [traced]
 
@@ -111,13 +96,9 @@ def test_graphs_indexing_with_an_ellipsis_get_a_plan(cache_dir):
     rotate(x, w).sum().backward()
     expected = w.grad.clone()
     for traced in (True, False):
-        compile_cache.clear_memory()
-        torch._dynamo.reset()
         w.grad = None
-        events = []
-        remove = driver.add_observer(events.append)
-        torch.compile(rotate, backend="tpucompile")(x, w).sum().backward()
-        remove()
+        with fresh_start() as events:
+            torch.compile(rotate, backend="tpucompile")(x, w).sum().backward()
         assert [e.graph is not None for e in events] == [traced, traced]
         torch.testing.assert_close(w.grad, expected)
     bindings = None
@@ -136,15 +117,11 @@ def test_batch_norm_training_runs_from_the_plan_and_updates_running_statistics(c
     for _ in range(2):
         eager(x).square().sum().backward()
     for traced in (True, False):
-        compile_cache.clear_memory()
-        torch._dynamo.reset()
         model = copy.deepcopy(initial)
-        events = []
-        remove = driver.add_observer(events.append)
-        compiled = torch.compile(model, backend="tpucompile")
-        for _ in range(2):  # the second step must see the first one's running statistics
-            compiled(x).square().sum().backward()
-        remove()
+        with fresh_start() as events:
+            compiled = torch.compile(model, backend="tpucompile")
+            for _ in range(2):  # the second step must see the first one's running statistics
+                compiled(x).square().sum().backward()
         assert [e.graph is not None for e in events] == [traced, traced]
         for (name, got), want in zip(model.state_dict().items(), eager.state_dict().values(), strict=True):
             torch.testing.assert_close(got, want, msg=name)
@@ -159,15 +136,10 @@ def _traced_twice(fn, make_args, grad: bool = True):
     gradient) traced (True) or ran from a plan (False), per graph."""
     seen = []
     for _ in range(2):
-        compile_cache.clear_memory()
-        torch._dynamo.reset()
-        events = []
-        remove = driver.add_observer(events.append)
-        with torch.set_grad_enabled(grad):
+        with fresh_start() as events, torch.set_grad_enabled(grad):
             out = torch.compile(fn, backend="tpucompile")(*make_args())
             if out.requires_grad:
                 out.sum().backward()
-        remove()
         seen.append([e.graph is not None for e in events])
     return seen
 
