@@ -208,8 +208,8 @@ class PlanRecorder:
         if list(metadata.mutated_inp_runtime_indices) != mutated or (
                 metadata.num_forward_returns != len(mutated) + len(metadata.output_info)):
             return "updated arguments not returned first"
-        returned = _outputs(gm)[len(mutated):]
-        if any(getattr(o, "op", None) == "placeholder" and placeholders.index(o) in mutated for o in returned):
+        updated_arguments = {placeholders[i] for i in mutated}
+        if any(o in updated_arguments for o in _outputs(gm)[len(mutated):]):
             return "an updated argument is also returned or saved"
         if metadata.num_intermediate_bases or metadata.tokens or metadata.num_backward_tokens:
             return "aliased intermediates or effect tokens"
