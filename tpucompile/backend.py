@@ -21,7 +21,13 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from tpucompile import aot_cache, dump
 from tpucompile.config import Options
 from tpucompile.driver import compile_graph, record_graph
-from tpucompile.passes import bind_sharding, decomposition_table, dtensor_outputs, rewrite_attention
+from tpucompile.passes import (
+    bind_sharding,
+    decomposition_table,
+    dtensor_outputs,
+    rewrite_attention,
+    rewrite_interpolation,
+)
 
 _graph_counter = itertools.count()
 
@@ -39,6 +45,8 @@ def tpucompile_backend(
     record_graph(f"graph {index}", "fx", gm)
     if rewrite_attention(gm):
         record_graph(f"graph {index}", "fx_rewrite_attention", gm)
+    if rewrite_interpolation(gm):
+        record_graph(f"graph {index}", "fx_rewrite_interpolation", gm)
 
     recorder = None
     components = aot_cache.plan_components(gm, example_inputs, config)

@@ -5,6 +5,7 @@ order; ROLE is forward, backward or inference, followed by the region for a part
 
     fx.txt                     Dynamo's FX graph, as the backend received it
     fx_rewrite_attention.txt   the same after attention was routed to its math form (when it was)
+    fx_rewrite_interpolation.txt  the same after bilinear resampling became matrix products (when it did)
     aten_N_<stage>.txt         the ATen graph from AOTAutograd, then after each pass
     aten.txt                   the ATen graph that was lowered
     locations.txt              each ATen op and the user's source line it came from

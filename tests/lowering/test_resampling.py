@@ -1,9 +1,10 @@
 """Interpolation and edge padding against eager PyTorch, end to end through ``torch.compile`` with gradients.
 
-Nearest / (bi,tri)linear / bicubic interpolation and reflect padding reach the backend already decomposed
+Nearest / (tri)linear / bicubic interpolation and reflect padding reach the backend already decomposed
 into ``index`` (forward) and ``index_put`` or ``index`` (backward); these tests check that, and that the
-result matches. Replicate padding's backward and anti-aliased interpolation reach the backend as ATen ops of
-their own, lowered in ``rules/resampling.py``.
+result matches. 2-D nearest and (bi,tri)linear interpolation get a backward of matrix products before
+AOTAutograd (``passes/interpolation.py``), so their gradients do not scatter. Replicate padding's backward
+and anti-aliased interpolation reach the backend as ATen ops of their own, lowered in ``rules/resampling.py``.
 """
 
 from __future__ import annotations
@@ -31,6 +32,61 @@ def _interpolations_2d(x):
 def test_interpolate_2d(aten_ops):
     assert_compiles_like_eager(_interpolations_2d, torch.randn(2, 3, 4, 5), grad=True)
     assert {aten.index.Tensor, aten.index_put.default} <= aten_ops
+
+
+
+PRODUCT_GRADIENT_CALLS = {
+    "bilinear_up2": dict(mode="bilinear", scale_factor=2),
+    "bilinear_up2_align_corners": dict(mode="bilinear", scale_factor=2, align_corners=True),
+    "bilinear_mixed_factors": dict(mode="bilinear", scale_factor=(1.7, 0.6)),
+    "bilinear_mixed_recomputed": dict(mode="bilinear", scale_factor=(1.7, 0.6), recompute_scale_factor=True),
+    "bilinear_size_down_odd": dict(mode="bilinear", size=(3, 4)),
+    "bilinear_size_align_corners": dict(mode="bilinear", size=(9, 1), align_corners=True),
+    "bilinear_size_int": dict(mode="bilinear", size=6),
+    "nearest_up2": dict(mode="nearest", scale_factor=2),
+    "nearest_same_size_odd_factor": dict(mode="nearest", scale_factor=(1.1, 2.5)),
+    "nearest_mixed_factors_recomputed": dict(mode="nearest", scale_factor=(1.7, 0.6), recompute_scale_factor=True),
+    "nearest_size": dict(mode="nearest", size=(11, 3)),
+}
+
+PRODUCT_GRADIENT_CALLS_1D_3D = {
+    "linear_up": ((2, 3, 6), dict(mode="linear", scale_factor=2.5)),
+    "linear_align_corners": ((2, 3, 6), dict(mode="linear", size=4, align_corners=True)),
+    "trilinear": ((1, 2, 3, 4, 5), dict(mode="trilinear", scale_factor=(2, 0.5, 1.5))),
+    "trilinear_align_corners": ((1, 2, 3, 4, 5), dict(mode="trilinear", size=(5, 2, 7), align_corners=True)),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("call", PRODUCT_GRADIENT_CALLS)
+def test_resampling_gradient_is_products(aten_ops, call, dtype):
+    """Every form of the sizes and scales, up and down, with gradients; the forward gathers, the backward
+    multiplies and never scatters."""
+    kwargs = PRODUCT_GRADIENT_CALLS[call]
+    x = torch.randn(2, 3, 5, 7, dtype=dtype)
+    assert_compiles_like_eager(lambda x: F.interpolate(x, **kwargs), x, grad=True)
+    assert aten.index_put.default not in aten_ops
+    assert aten_ops & {aten.mm.default, aten.bmm.default}
+
+
+@pytest.mark.parametrize("call", PRODUCT_GRADIENT_CALLS_1D_3D)
+def test_resampling_gradient_is_products_1d_3d(aten_ops, call):
+    shape, kwargs = PRODUCT_GRADIENT_CALLS_1D_3D[call]
+    assert_compiles_like_eager(lambda x: F.interpolate(x, **kwargs), torch.randn(shape), grad=True)
+    assert aten.index_put.default not in aten_ops
+    assert aten_ops & {aten.mm.default, aten.bmm.default}
+
+def test_resampling_modules_and_channels_last(aten_ops):
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 4, 3, padding=1),
+        torch.nn.Upsample(scale_factor=2, mode="bilinear"),
+        torch.nn.UpsamplingBilinear2d(size=(11, 5)),
+        torch.nn.Upsample(scale_factor=(2, 3)),
+        torch.nn.UpsamplingNearest2d(size=(30, 20)),
+    )
+    x = torch.randn(2, 3, 6, 4).to(memory_format=torch.channels_last)
+    assert_compiles_like_eager(model, x, grad=True)
+    assert aten.index_put.default not in aten_ops
 
 
 def _interpolations_1d_3d(x1, x3):

@@ -15,6 +15,7 @@ from tpucompile.passes.attention import rewrite_attention
 from tpucompile.passes.constants import lift_large_constants
 from tpucompile.passes.dead_code import eliminate_dead_code
 from tpucompile.passes.decompositions import decomposition_table
+from tpucompile.passes.interpolation import rewrite_interpolation
 from tpucompile.passes.noop_views import remove_noop_views
 from tpucompile.passes.partition import isolate_node, partition_supported
 from tpucompile.passes.sharding import annotate_shardings, bind_sharding, dtensor_outputs, record_layouts
@@ -68,5 +69,6 @@ __all__ = [
     "record_layouts",
     "remove_noop_views",
     "rewrite_attention",
+    "rewrite_interpolation",
     "run_passes",
 ]
