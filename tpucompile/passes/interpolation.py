@@ -30,6 +30,8 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
+from tpucompile.lowering.rules.resampling import source_scale
+
 _MODES = {"nearest": 2, "linear": 1, "bilinear": 2, "trilinear": 3}
 """The modes handled, with the number of resampled dims each requires. Nearest is taken in 2-D only: in 1-D
 and 3-D, PyTorch's CPU forward and backward kernels disagree on which element a size-keeping factor copies
@@ -120,7 +122,7 @@ def resampling_matrix(
     destination = torch.arange(size_out, dtype=accumulate, device=device)
     if mode == "nearest":
         return (positions == nearest_source(size_in, size_out, scale_factor, device)[:, None]).to(dtype)
-    scale = _source_scale(size_in, size_out, align_corners, scale_factor)
+    scale = source_scale(size_in, size_out, align_corners, scale_factor)
     source = destination * scale if align_corners else ((destination + 0.5) * scale - 0.5).clamp(min=0)
     first = source.to(torch.int64).clamp(max=size_in - 1)
     second = (first + 1).clamp(max=size_in - 1)
@@ -141,17 +143,8 @@ def nearest_source(size_in: int, size_out: int, scale_factor: float | None, devi
         return destination
     if size_out == 2 * size_in:
         return destination // 2
-    scale = _source_scale(size_in, size_out, False, scale_factor)
+    scale = source_scale(size_in, size_out, False, scale_factor)
     return (destination.to(torch.float32) * scale).floor().to(torch.int64).clamp(max=size_in - 1)
-
-
-def _source_scale(size_in: int, size_out: int, align_corners: bool, scale_factor: float | None) -> float:
-    """Input pixels per output pixel, as ATen's ``area_pixel_compute_scale`` defines it."""
-    if align_corners:
-        return (size_in - 1) / (size_out - 1) if size_out > 1 else 0.0
-    if scale_factor is not None and scale_factor > 0:
-        return 1.0 / scale_factor
-    return size_in / size_out
 
 
 def _mode(node: torch.fx.Node) -> object:

@@ -115,8 +115,9 @@ def _cubic(x: float, a: float = -0.5) -> float:
     return 0.0
 
 
-def _source_scale(size: int, out: int, align_corners: bool, scale_factor: float | None) -> float:
-    """Input pixels per output pixel, as PyTorch's ``area_pixel_compute_scale`` defines it."""
+def source_scale(size: int, out: int, align_corners: bool, scale_factor: float | None) -> float:
+    """Input pixels per output pixel, as PyTorch's ``area_pixel_compute_scale`` defines it (``scale_factor``:
+    the user's factor, which sets it unless ``align_corners``)."""
     if align_corners:
         return (size - 1) / (out - 1) if out > 1 else 0.0
     if scale_factor is not None and scale_factor > 0:
@@ -131,7 +132,7 @@ def _antialias_matrix(
     """``(out, size)`` weights of anti-aliased interpolation along one dim: output i averages the inputs
     within ``support`` of its centre ``scale (i + 0.5)``, weighted by the filter stretched by the scale when
     downsampling, normalised to sum to 1."""
-    scale = _source_scale(size, out, align_corners, scale_factor)
+    scale = source_scale(size, out, align_corners, scale_factor)
     support = support_radius * scale if scale >= 1.0 else support_radius
     inverse = 1.0 / scale if scale >= 1.0 else 1.0
     matrix = np.zeros((out, size), dtype=np.float64)
