@@ -34,7 +34,6 @@ def test_interpolate_2d(aten_ops):
     assert {aten.index.Tensor, aten.index_put.default} <= aten_ops
 
 
-
 PRODUCT_GRADIENT_CALLS = {
     "bilinear_up2": dict(mode="bilinear", scale_factor=2),
     "bilinear_up2_align_corners": dict(mode="bilinear", scale_factor=2, align_corners=True),
@@ -75,6 +74,7 @@ def test_resampling_gradient_is_products_1d_3d(aten_ops, call):
     assert_compiles_like_eager(lambda x: F.interpolate(x, **kwargs), torch.randn(shape), grad=True)
     assert aten.index_put.default not in aten_ops
     assert aten_ops & {aten.mm.default, aten.bmm.default}
+
 
 def test_resampling_modules_and_channels_last(aten_ops):
     model = torch.nn.Sequential(

@@ -63,7 +63,7 @@ def interpolate_by_products(
     """``F.interpolate`` with the same arguments; for nearest or linear resampling of a float tensor of static
     size the gradient is one product per resampled dim. Anything else goes to ``F.interpolate`` alone (which
     also reports bad arguments)."""
-    plan = _plan(input, size, scale_factor, mode, recompute_scale_factor, antialias)
+    plan = _plan(input, size, scale_factor, mode, align_corners, recompute_scale_factor, antialias)
     if plan is None:
         return F.interpolate(input, size, scale_factor, mode, align_corners, recompute_scale_factor, antialias)
     return _ResampleWithProductGradient.apply(input, size, scale_factor, mode, align_corners,
@@ -79,8 +79,6 @@ class _ResampleWithProductGradient(torch.autograd.Function):
         ctx.in_sizes, ctx.out_sizes, ctx.scales = tuple(input.shape[2:]), out_sizes, scales
         ctx.mode, ctx.corners, ctx.dtype = mode, bool(align_corners), input.dtype
         if mode == "nearest":
-            if align_corners is not None:  # F.interpolate's own error
-                return F.interpolate(input, size, scale_factor, mode, align_corners, recompute_scale_factor)
             sources = [nearest_source(size_in, size_out, scale, input.device)
                        for size_in, size_out, scale in zip(ctx.in_sizes, out_sizes, scales, strict=True)]
             count = len(sources)
@@ -93,9 +91,11 @@ class _ResampleWithProductGradient(torch.autograd.Function):
     def backward(ctx, grad):
         work = torch.float32 if ctx.dtype in (torch.float16, torch.bfloat16) else ctx.dtype
         result = grad.to(work)
-        dims = zip(ctx.in_sizes, ctx.out_sizes, ctx.scales, strict=True)
-        for dim, (size_in, size_out, scale) in reversed(list(enumerate(dims, start=-len(ctx.in_sizes)))):
-            matrix = resampling_matrix(ctx.mode, size_in, size_out, ctx.corners, scale, work, grad.device)
+        count = len(ctx.in_sizes)
+        for i in reversed(range(count)):
+            matrix = resampling_matrix(ctx.mode, ctx.in_sizes[i], ctx.out_sizes[i], ctx.corners, ctx.scales[i], work,
+                                       grad.device)
+            dim = i - count
             # The last two dims contract in place (x @ M, M^T @ x); a third moves last and back.
             if dim == -1:
                 result = torch.matmul(result, matrix)
@@ -117,11 +117,11 @@ def resampling_matrix(
 ) -> torch.Tensor:
     """The ``(size_out, size_in)`` weights of ``mode`` resampling along one dim, as PyTorch's CPU kernels
     compute them (``scale_factor``: the user's factor, which sets the source scale unless ``align_corners``)."""
-    accumulate = torch.float64 if dtype == torch.float64 else torch.float32
     positions = torch.arange(size_in, device=device)
-    destination = torch.arange(size_out, dtype=accumulate, device=device)
     if mode == "nearest":
         return (positions == nearest_source(size_in, size_out, scale_factor, device)[:, None]).to(dtype)
+    accumulate = torch.float64 if dtype == torch.float64 else torch.float32
+    destination = torch.arange(size_out, dtype=accumulate, device=device)
     scale = source_scale(size_in, size_out, align_corners, scale_factor)
     source = destination * scale if align_corners else ((destination + 0.5) * scale - 0.5).clamp(min=0)
     first = source.to(torch.int64).clamp(max=size_in - 1)
@@ -156,11 +156,15 @@ def _plan(
     size: object,
     scale_factor: object,
     mode: str,
+    align_corners: bool | None,
     recompute_scale_factor: bool | None,
     antialias: bool,
 ) -> tuple[list[int], list[float | None]] | None:
-    """(output sizes, scale factors the kernel would use) for a call this pass computes, else None."""
+    """(output sizes, scale factors the kernel would use) for a call this pass computes, else None (nearest
+    with ``align_corners`` included: ``F.interpolate`` refuses it with its own message)."""
     if mode not in _MODES or antialias or not input.is_floating_point():
+        return None
+    if mode == "nearest" and align_corners is not None:
         return None
     count = input.dim() - 2
     if _MODES[mode] != count:
