@@ -5,14 +5,16 @@
 Runs the workload of ``bench/models.py`` compiled with tpucompile, then traces ``--steps`` warm steps with
 XLA's per-thunk trace events (``--xla_cpu_enable_xprof_traceme``; the python tracer off). Each thunk event is
 assigned to the program execution whose window holds it (a training step runs the forward, then the
-backward), and each thunk is classified by what its HLO computes, read from the program's optimised HLO:
-a convolution (XLA's own or a YNN fusion holding one), a host BLAS product, a reduction, a scatter, a
-select (max pooling, ReLU's gradient), a transpose or copy (alone or fused into elementwise work), or other
-elementwise work; events that are not thunks (output allocation, input handling, waits on the pool) are
-counted apart.
+backward); a thunk that completes asynchronously lasts until its ``end:`` event. Each thunk is classified by
+what its HLO computes, read from the program's optimised HLO: a convolution (XLA's own or a YNN fusion
+holding one), a host BLAS product, a reduction, a scatter, a select (max pooling, ReLU's gradient), a
+transpose or copy and nothing else (a relayout), elementwise work that reads or writes through a transpose,
+or other elementwise work; events that are not thunks (output allocation, input handling, waits on the pool)
+are counted apart.
 
-Thunks of one program can run at once on XLA's pool threads, so a program's thunk total can exceed its
-wall time. Compare kinds and programs within one run.
+Each program's execution time (the PJRT execute, wall clock) is printed beside its thunk total: thunks of one
+program can run at once on XLA's pool threads, so the total can exceed the execution time, and gaps between
+thunks (waking a pool thread, waiting on one) make it shorter. Compare kinds and programs within one run.
 """
 
 from __future__ import annotations
@@ -71,6 +73,11 @@ def classify(hlo: str) -> dict[str, str]:
     return kinds
 
 
+_MOVES_ONLY = {"parameter", "transpose", "copy", "bitcast", "reshape", "broadcast", "constant", "tuple",
+               "get-tuple-element"}
+"""Opcodes that only move or repeat data: a fusion of nothing else is a relayout."""
+
+
 def _kind(opcode: str, line: str, body: str) -> str:
     if opcode == "convolution" or " convolution(" in body:
         return "convolution"
@@ -82,9 +89,43 @@ def _kind(opcode: str, line: str, body: str) -> str:
         return "reduction"
     if " select(" in body and " compare(" in body:
         return "select (pooling, ReLU gradient)"
-    if opcode in ("transpose", "copy") or " transpose(" in body or " copy(" in body:
-        return "transpose or copy (or a fusion holding one)"
+    opcodes = {m[2] for m in (_INSTRUCTION.match(x) for x in body.splitlines()) if m} or {opcode}
+    moves = " transpose(" in body or " copy(" in body or opcode in ("transpose", "copy")
+    if moves and opcodes <= _MOVES_ONLY:
+        return "transpose or copy"
+    if moves:
+        return "elementwise, reading or writing transposed"
     return "elementwise, other"
+
+
+def _by_window(events: list[tuple[int, int, str]], windows: list[tuple[int, int]],
+               starts: list[int]) -> list[list[tuple[int, int, str]]]:
+    """The events inside each program execution's window, in time order."""
+    grouped: list[list[tuple[int, int, str]]] = [[] for _ in windows]
+    for event in events:
+        index = bisect.bisect_right(starts, event[0]) - 1
+        if index >= 0 and event[0] <= windows[index][1] and event[2] not in _NOT_THUNKS:
+            grouped[index].append(event)
+    return [sorted(group) for group in grouped]
+
+
+def _thunk_times(events: list[tuple[int, int, str]]) -> list[tuple[str, float]]:
+    """(thunk name, microseconds) for each thunk run among ``events``. A thunk that completes asynchronously
+    (a convolution split over XLA's pool, a YNN fusion) returns before its work is done; an ``end: NAME``
+    event marks when it is, so such a thunk lasts until that marker."""
+    pending: dict[str, list[list]] = collections.defaultdict(list)
+    runs: list[list] = []
+    for start, end, name in events:
+        if name.startswith("end: "):
+            waiting = pending.get(name.removeprefix("end: "))
+            if waiting:
+                run = waiting.pop(0)
+                run[2] = max(run[2], start)
+            continue
+        run = [name, start, end]
+        runs.append(run)
+        pending[name].append(run)
+    return [(name, (end - start) / 1e3) for name, start, end in runs]
 
 
 def main() -> None:
@@ -138,18 +179,17 @@ def main() -> None:
     starts = [start for start, _ in windows]
     kinds = [classify(hlo) for _, hlo in programs]
     totals = [collections.Counter() for _ in programs]
-    for start, end, name in events:
-        if name in _NOT_THUNKS:
-            continue
-        index = bisect.bisect_right(starts, start) - 1
-        if index < 0 or start > windows[index][1]:
-            continue
+    for index, program_events in enumerate(_by_window(events, windows, starts)):
         program = index % len(programs)
-        kind = kinds[program].get(name.removeprefix("end: "), "runtime (buffers, inputs, pool waits)")
-        totals[program][kind] += (end - start) / 1e3 / args.steps
-    print(f"{args.model} {args.mode}: thunk time per step (us), {args.steps} steps, {len(windows)} executions")
-    for (name, _), total in zip(programs, totals, strict=True):
-        print(f"  {name}: {sum(total.values()):.0f} us")
+        for name, micros in _thunk_times(program_events):
+            kind = kinds[program].get(name, "runtime (buffers, inputs, pool waits)")
+            totals[program][kind] += micros / args.steps
+    walls = [0.0] * len(programs)
+    for index, (start, end) in enumerate(windows):
+        walls[index % len(programs)] += (end - start) / 1e3 / args.steps
+    print(f"{args.model} {args.mode}: per step (us), {args.steps} steps, {len(windows)} executions")
+    for (name, _), total, wall in zip(programs, totals, walls, strict=True):
+        print(f"  {name}: execution {wall:.0f} us, thunks {sum(total.values()):.0f} us")
         for kind, micros in total.most_common():
             print(f"    {micros:8.0f}  {kind}")
 

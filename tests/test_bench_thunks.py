@@ -59,7 +59,7 @@ def test_each_kind_of_work_is_told_apart():
     kinds = thunks.classify(_HLO)
     assert kinds == {
         "Arg_0.1": "elementwise, other",
-        "transpose_fusion": "transpose or copy (or a fusion holding one)",
+        "transpose_fusion": "transpose or copy",
         "convolution.1": "convolution",
         "sum_fusion": "reduction",
         "gemm": "matrix product",
