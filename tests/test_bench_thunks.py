@@ -87,3 +87,17 @@ def test_a_compiled_convolution_step_is_classified():
     forward, backward = (set(thunks.classify(text).values()) for text in hlo)
     assert {"convolution", "reduction"} <= forward
     assert {"convolution", "reduction"} <= backward
+
+
+def test_an_asynchronous_thunk_lasts_until_its_end_event():
+    """XLA writes an ``end:`` event for every thunk: right after it returns, or, for one that completes
+    asynchronously, when its work is done."""
+    events = [
+        (0, 10, "convolution.1"),  # returns at 10, completes on the pool at 50
+        (12, 20, "fusion.2"),
+        (20, 21, "end: fusion.2"),
+        (50, 51, "end: convolution.1"),
+        (60, 70, "convolution.1"),  # the same thunk in the next execution, done when it returns
+        (70, 71, "end: convolution.1"),
+    ]
+    assert thunks._thunk_times(events) == [("convolution.1", 0.05), ("fusion.2", 0.008), ("convolution.1", 0.01)]
