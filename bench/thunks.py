@@ -34,7 +34,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from models import WORKLOADS, build
 
-import tpucompile  # noqa: F401
 from tpucompile import driver
 from tpucompile.runtime.compiler import optimized_hlo
 
@@ -79,28 +78,28 @@ _MOVES_ONLY = {"parameter", "transpose", "copy", "bitcast", "reshape", "broadcas
 
 
 def _kind(opcode: str, line: str, body: str) -> str:
-    if opcode == "convolution" or " convolution(" in body:
+    """What an entry instruction computes, from ``body``: the lines of the computation it calls (a fusion),
+    or its own ``line``."""
+    if " convolution(" in body:
         return "convolution"
-    if "tpucompile_host_gemm" in line or opcode == "dot" or " dot(" in body:
+    if "tpucompile_host_gemm" in line or " dot(" in body:
         return "matrix product"
-    if " scatter(" in body or opcode == "scatter":
+    if " scatter(" in body:
         return "scatter"
     if " reduce(" in body or " reduce-window(" in body:
         return "reduction"
     if " select(" in body and " compare(" in body:
         return "select (pooling, ReLU gradient)"
-    opcodes = {m[2] for m in (_INSTRUCTION.match(x) for x in body.splitlines()) if m} or {opcode}
-    moves = " transpose(" in body or " copy(" in body or opcode in ("transpose", "copy")
-    if moves and opcodes <= _MOVES_ONLY:
-        return "transpose or copy"
-    if moves:
-        return "elementwise, reading or writing transposed"
+    if " transpose(" in body or " copy(" in body:
+        opcodes = {m[2] for m in (_INSTRUCTION.match(x) for x in body.splitlines()) if m} or {opcode}
+        return "transpose or copy" if opcodes <= _MOVES_ONLY else "elementwise, reading or writing transposed"
     return "elementwise, other"
 
 
-def _by_window(events: list[tuple[int, int, str]], windows: list[tuple[int, int]],
-               starts: list[int]) -> list[list[tuple[int, int, str]]]:
-    """The events inside each program execution's window, in time order."""
+def _by_window(events: list[tuple[int, int, str]],
+               windows: list[tuple[int, int]]) -> list[list[tuple[int, int, str]]]:
+    """The events inside each program execution's window (``windows`` in time order), in time order."""
+    starts = [start for start, _ in windows]
     grouped: list[list[tuple[int, int, str]]] = [[] for _ in windows]
     for event in events:
         index = bisect.bisect_right(starts, event[0]) - 1
@@ -176,10 +175,9 @@ def main() -> None:
         trace = _profile_data.ProfileData.from_file(glob.glob(f"{directory}/**/*.xplane.pb", recursive=True)[0])
     events = [(e.start_ns, e.end_ns, e.name) for plane in trace.planes for line in plane.lines for e in line.events]
     windows = sorted((start, end) for start, end, name in events if name == _EXECUTION)
-    starts = [start for start, _ in windows]
     kinds = [classify(hlo) for _, hlo in programs]
     totals = [collections.Counter() for _ in programs]
-    for index, program_events in enumerate(_by_window(events, windows, starts)):
+    for index, program_events in enumerate(_by_window(events, windows)):
         program = index % len(programs)
         for name, micros in _thunk_times(program_events):
             kind = kinds[program].get(name, "runtime (buffers, inputs, pool waits)")
