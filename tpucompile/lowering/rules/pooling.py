@@ -141,11 +141,15 @@ def _argmax_unrolled(
     padding: Sequence[tuple[int, int]],
     dilations: Sequence[int],
 ) -> list[Value]:
-    """``_argmax_window`` as one strided slice per window offset, folded with the same combiner.
+    """``_argmax_window`` from one strided slice per window offset, in two elementwise passes.
 
-    Only elementwise ops: XLA fuses them into one loop, where its CPU backend runs a two-result
-    ``reduce_window`` element by element (ResNet's 3x3/2 stem pool: ~9x slower), and drops the index
-    computation when nothing reads the indices (inference)."""
+    Only elementwise ops: XLA fuses them into loops, where its CPU backend runs a two-result ``reduce_window``
+    element by element (ResNet's 3x3/2 stem pool: ~9x slower). The values are a chain of ``maximum`` (which
+    propagates NaN, as PyTorch's kernel does); the index is then the first real element in scan order equal to
+    the maximum, or, where the maximum is NaN, the last NaN: a chain of selects visited backwards (so the
+    first match in scan order is written last). XLA splits values and indices into separate loops, so each
+    stays short; a fold carrying (value, index) pairs through PyTorch's combiner costs both loops its whole
+    chain. Nothing computes indices when nothing reads them."""
     dtype = builder.dtype_of(x)
     shape = builder.shape_of(x)
     nd = len(window)
@@ -155,8 +159,7 @@ def _argmax_unrolled(
     padded = hlo.pad(x, fill, [0] * lead + [low for low, _ in padding], [0] * lead + [high for _, high in padding],
                      [0] * len(shape))
     plane_strides = [math.prod(plane_in[i + 1:]) for i in range(nd)]
-    combine = _argmax_combiner(dtype)
-    best: list[Value] | None = None
+    taps: list[tuple[Value, Value, Value]] = []  # (values, flat index plane, inside plane) per window offset
     for offset in np.ndindex(*window):
         starts = [o * d for o, d in zip(offset, dilations, strict=True)]
         limits = [start + (out - 1) * s + 1 for start, out, s in zip(starts, plane_out, strides, strict=True)]
@@ -172,11 +175,24 @@ def _argmax_unrolled(
             term = hlo.multiply(position, builder.constant(plane_strides[i], torch.int64, plane_out))
             flat = term if flat is None else hlo.add(flat, term)
             valid = inside if valid is None else hlo.and_(valid, inside)
-        indices = builder.select(valid, flat, builder.constant(_NO_INDEX, torch.int64, plane_out))
-        pair = [values, builder.broadcast_in_dims(indices, tuple(out_shape), range(lead, len(shape)))]
-        best = pair if best is None else combine(best, pair)
-    assert best is not None
-    return best
+        taps.append((values, flat, valid))
+    best = taps[0][0]
+    for values, _, _ in taps[1:]:
+        best = hlo.maximum(best, values)
+    out = tuple(out_shape)
+
+    def spread(plane: Value) -> Value:
+        return builder.broadcast_in_dims(plane, out, range(lead, len(shape)))
+
+    index = builder.constant(_NO_INDEX, torch.int64, out)
+    for values, flat, valid in reversed(taps):
+        index = builder.select(hlo.and_(builder.compare(values, best, "EQ"), spread(valid)), spread(flat), index)
+    if dtype.is_floating_point:
+        last_nan = builder.constant(_NO_INDEX, torch.int64, out)
+        for values, flat, _ in taps:
+            last_nan = builder.select(builder.is_nan(values), spread(flat), last_nan)
+        index = builder.select(builder.is_nan(best), last_nan, index)
+    return [best, index]
 
 
 def _max_pool(x, out_shape, kernel, stride, padding, dilation):
