@@ -6,11 +6,11 @@ Runs the workload of ``bench/models.py`` compiled with tpucompile, then traces `
 XLA's per-thunk trace events (``--xla_cpu_enable_xprof_traceme``; the python tracer off). Each thunk event is
 assigned to the program execution whose window holds it (a training step runs the forward, then the
 backward); a thunk that completes asynchronously lasts until its ``end:`` event. Each thunk is classified by
-what its HLO computes, read from the program's optimised HLO: a convolution (XLA's own or a YNN fusion
-holding one), a host BLAS product, a reduction, a scatter, a select (max pooling, ReLU's gradient), a
-transpose or copy and nothing else (a relayout), elementwise work that reads or writes through a transpose,
-or other elementwise work; events that are not thunks (output allocation, input handling, waits on the pool)
-are counted apart.
+what its HLO computes, read from the program's optimised HLO: a convolution (XLA's own, a YNN fusion holding
+one, or a call of the host convolution kernel), a host BLAS product, a reduction, a scatter, a select (max
+pooling, ReLU's gradient), a transpose or copy and nothing else (a relayout), elementwise work that reads or
+writes through a transpose, or other elementwise work; events that are not thunks (output allocation, input
+handling, waits on the pool) are counted apart.
 
 Each program's execution time (the PJRT execute, wall clock) is printed beside its thunk total: thunks of one
 program can run at once on XLA's pool threads, so the total can exceed the execution time, and gaps between
@@ -80,7 +80,7 @@ _MOVES_ONLY = {"parameter", "transpose", "copy", "bitcast", "reshape", "broadcas
 def _kind(opcode: str, line: str, body: str) -> str:
     """What an entry instruction computes, from ``body``: the lines of the computation it calls (a fusion),
     or its own ``line``."""
-    if " convolution(" in body:
+    if " convolution(" in body or "tpucompile_host_conv" in line:
         return "convolution"
     if "tpucompile_host_gemm" in line or " dot(" in body:
         return "matrix product"

@@ -5,6 +5,7 @@ from __future__ import annotations
 from jaxlib import xla_client
 
 from tpucompile.errors import CompileError
+from tpucompile.runtime.host_convolutions import rewrite_convolutions
 from tpucompile.runtime.host_dots import rewrite_dots
 from tpucompile.runtime.target import Target, compile_options
 
@@ -20,10 +21,12 @@ def compile_module(module: bytes | str, target: Target, num_partitions: int | No
 
 
 def for_target(module: bytes | str, target: Target) -> bytes | str:
-    """``module`` as ``target`` compiles it: on one CPU device with host BLAS kernels, its matrix products call
-    them (``host_dots``); otherwise unchanged."""
+    """``module`` as ``target`` compiles it: on one CPU device with host BLAS kernels, its matrix products and
+    f32 convolutions call them (``host_dots``, ``host_convolutions``); otherwise unchanged."""
     if target.host_blas is None or len(target.devices) != 1:
         return module
+    if target.host_blas.convolutions:
+        module = rewrite_convolutions(module)
     return rewrite_dots(module, target.host_blas.dtypes)
 
 

@@ -1,11 +1,14 @@
-"""Matrix products on the CPU through the host's BLAS, called from XLA programs as an FFI custom call.
+"""Matrix products and convolutions on the CPU through the host's BLAS, called from XLA programs as FFI custom
+calls.
 
 XLA's CPU dot emitter is 2-10x slower than the BLAS torch links (MKL on x86) at the sizes models use: a
 64x256x256 product takes ~140 us in XLA against ~40 us in MKL, and a 32x32x32 one ~55 us against ~3 us. So on
 the CPU, programs hand their dots to ``tpucompile_host_gemm`` (``host_blas.c``), a small XLA FFI handler that
 calls ``sgemm_``/``dgemm_``/``cblas_gemm_bf16bf16f32`` of the BLAS already loaded with torch, and XLA keeps
-everything around them. Like JAX's LAPACK kernels, the handler takes the BLAS's addresses at start-up instead
-of linking it.
+everything around them. f32 2-D convolutions go to ``tpucompile_host_conv`` in the same library, which runs
+them as im2col (or col2im) around ``sgemm_``, sharing a convolution's images out over XLA's intra-op pool
+(``host_convolutions`` says which convolutions it takes). Like JAX's LAPACK kernels, the library takes the
+BLAS's addresses at start-up instead of linking it.
 
 The handler is compiled from its C source on first use with the system C compiler (``$CC`` or ``cc``) against
 jaxlib's XLA FFI header, into a directory keyed by the source and jaxlib's version, and each kernel is checked
@@ -29,7 +32,9 @@ import jaxlib
 log = logging.getLogger("tpucompile")
 
 TARGET_NAME = "tpucompile_host_gemm"
-"""The FFI target name programs call."""
+"""The FFI target name programs call for matrix products."""
+CONV_TARGET_NAME = "tpucompile_host_conv"
+"""The FFI target name programs call for f32 2-D convolutions (im2col + the BLAS's sgemm)."""
 
 _SOURCE = pathlib.Path(__file__).with_name("host_blas.c")
 _DTYPE_BITS = {"f32": 1, "f64": 2, "bf16": 4}
@@ -39,14 +44,19 @@ _BLAS_SYMBOLS = ("sgemm_", "dgemm_", "cblas_gemm_bf16bf16f32", "MKL_Set_Num_Thre
 @functools.cache
 def kernels() -> HostBlas | None:
     """The registered host BLAS kernels of this process, or None when they cannot be built or bound (XLA's
-    own dots are used then). Set ``TPUCOMPILE_HOST_BLAS=0`` to turn them off."""
-    if os.environ.get("TPUCOMPILE_HOST_BLAS", "1").strip().lower() in ("0", "false", "no", "off"):
+    own dots and convolutions are used then). Set ``TPUCOMPILE_HOST_BLAS=0`` to turn them off, or
+    ``TPUCOMPILE_HOST_CONV=0`` to keep XLA's convolutions only."""
+    if _off("TPUCOMPILE_HOST_BLAS"):
         return None
     try:
         return HostBlas.load()
     except _Unavailable as why:
         log.info("tpucompile: matrix products stay in XLA's CPU emitter: %s", why)
         return None
+
+
+def _off(variable: str) -> bool:
+    return os.environ.get(variable, "1").strip().lower() in ("0", "false", "no", "off")
 
 
 class _Unavailable(Exception):
@@ -56,12 +66,15 @@ class _Unavailable(Exception):
 class HostBlas:
     """The compiled handler library, bound to the BLAS and registered with XLA under ``TARGET_NAME``."""
 
-    def __init__(self, library: ctypes.CDLL, dtypes: frozenset[str], fingerprint: str) -> None:
+    def __init__(self, library: ctypes.CDLL, dtypes: frozenset[str], fingerprint: str, convolutions: bool) -> None:
         self.library = library
         self.dtypes = dtypes
         """The operand dtypes with a kernel ("f32", "f64", "bf16")."""
         self.fingerprint = fingerprint
-        """What identifies the code programs call (source, jaxlib, BLAS): part of executable cache keys."""
+        """What identifies the code programs call (source, jaxlib, BLAS, whether convolutions are taken): part
+        of executable cache keys."""
+        self.convolutions = convolutions
+        """Whether f32 2-D convolutions call ``CONV_TARGET_NAME`` (``host_convolutions``)."""
 
     @classmethod
     def load(cls) -> HostBlas:
@@ -84,9 +97,11 @@ class HostBlas:
         import jax
 
         jax.ffi.register_ffi_target(TARGET_NAME, jax.ffi.pycapsule(library.tpucompile_host_gemm), platform="cpu")
+        jax.ffi.register_ffi_target(CONV_TARGET_NAME, jax.ffi.pycapsule(library.tpucompile_host_conv), platform="cpu")
         blas = hashlib.sha256(f"{pathlib.Path(blas_path).name}:{sorted(dtypes)}".encode()).hexdigest()
-        fingerprint = hashlib.sha256(source + jaxlib.__version__.encode() + blas.encode()).hexdigest()[:32]
-        return cls(library, dtypes, fingerprint)
+        convolutions = not _off("TPUCOMPILE_HOST_CONV")
+        identity = source + jaxlib.__version__.encode() + blas.encode() + (b"" if convolutions else b"no-conv")
+        return cls(library, dtypes, hashlib.sha256(identity).hexdigest()[:32], convolutions)
 
 
 def _find_blas() -> tuple[str, tuple[int, ...]]:
@@ -129,7 +144,7 @@ def _build(source: bytes) -> pathlib.Path:
     # Each builder writes its own file and renames it into place: concurrent processes never see half a library.
     handle, partial = tempfile.mkstemp(dir=directory, suffix=".so.partial")
     os.close(handle)
-    command = [compiler, "-O2", "-shared", "-fPIC", "-std=c11", f"-I{include}", "-x", "c", "-", "-o", partial]
+    command = [compiler, "-O3", "-shared", "-fPIC", "-std=c11", f"-I{include}", "-x", "c", "-", "-o", partial]
     try:
         done = subprocess.run(command, input=source, capture_output=True, timeout=120)
         if done.returncode != 0:

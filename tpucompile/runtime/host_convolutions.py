@@ -1,0 +1,180 @@
+"""CPU programs: f32 2-D ``stablehlo.convolution`` → a call of the host im2col + BLAS kernel (``host_blas``).
+
+XLA's CPU convolutions are 2-4x slower than im2col followed by one sgemm per image on the shapes small vision
+models train with (a 3x3 convolution of 8x16x16x16 takes ~380 us in XLA against ~150 us that way on one core).
+The lowering (``lowering/rules/convolution.py``) emits three forms of convolution, and two kernel modes cover
+them all:
+
+* mode 0, the forward form: input ``[B, C, H, W]``, kernel ``[O, C, KH, KW]`` or ``[C, O, KH, KW]``, result
+  ``[B, O, OH, OW]``, with strides, padding and both dilations. The input gradient (and the transposed
+  convolution) is this form with an input dilation;
+* mode 1, the kernel gradient: input ``x`` with batch and feature roles swapped, the output gradient as the
+  kernel, the original stride as the kernel dilation and the original dilation as the window stride. The
+  kernel computes it as ATen does, one product of the output gradient with the forward's im2col per image.
+
+Grouped convolutions, other ranks, other dtypes and other dimension orders stay with XLA. Like ``host_dots``,
+the rewrite happens only when a program is compiled for this process's CPU; the stored StableHLO program is
+not touched.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from jax.extend.mlir import ir
+from jax.extend.mlir.dialects import stablehlo as hlo
+from jax.interpreters import mlir as jax_mlir
+
+from tpucompile.runtime.host_blas import CONV_TARGET_NAME
+from tpucompile.runtime.mlir_walk import walk_operations
+
+_INT32_MAX = 2**31 - 1
+_MIN_POSITIONS = 256
+"""Forward convolutions and kernel gradients whose output (or output gradient) has fewer positions per image
+stay with XLA, which is faster there: their im2col copies rows of a few elements each (8x32x8x8 3x3: 234 us
+against XLA's 158). Transposed convolutions are taken at every size (col2im skips the dilated zeros XLA
+multiplies)."""
+_MIN_PRODUCT_WIDTH = 256
+"""Images go side by side into one product until it is this many positions wide: thinner products run far
+below the BLAS's peak."""
+_MAX_SCRATCH_FLOATS = 1 << 26
+"""Convolutions whose workspace would exceed this (256 MiB) stay with XLA: im2col of large images with many
+channels is large (a 224x224 3x3 convolution of 64 channels: 115 MB per image)."""
+_local = threading.local()
+
+
+def rewrite_convolutions(module: bytes | str) -> bytes | str:
+    """``module`` with its qualifying convolutions calling the host kernel; unchanged (the same object) when
+    none qualifies."""
+    marker = "convolution" if isinstance(module, str) else b"convolution"
+    if marker not in module:
+        return module
+    context = getattr(_local, "context", None)
+    if context is None:
+        context = _local.context = jax_mlir.make_ir_context()
+    with context, ir.Location.unknown():
+        parsed = ir.Module.parse(module)
+        convolutions = [op for op in walk_operations(parsed.operation) if op.name == "stablehlo.convolution"]
+        replaced = sum(_replace(op) for op in convolutions)
+        if not replaced:
+            return module
+        stream = io.BytesIO()
+        parsed.operation.write_bytecode(stream)
+        return stream.getvalue()
+
+
+def _ints(op: Any, name: str, default: int) -> list[int]:
+    if name not in op.attributes:
+        return [default, default]
+    return [int(v) for v in ir.DenseI64ArrayAttr(op.attributes[name])]
+
+
+def _replace(op: Any) -> bool:
+    lhs, rhs = op.operands
+    types = [ir.RankedTensorType(v.type) for v in (lhs, rhs, op.results[0])]
+    if not all(t.has_static_shape and t.rank == 4 and str(t.element_type) == "f32" for t in types):
+        return False
+    if int(ir.IntegerAttr(op.attributes["feature_group_count"]).value) != 1:
+        return False
+    if int(ir.IntegerAttr(op.attributes["batch_group_count"]).value) != 1:
+        return False
+    if "window_reversal" in op.attributes and any(ir.DenseBoolArrayAttr(op.attributes["window_reversal"])):
+        return False
+    numbers = hlo.ConvDimensionNumbers(op.attributes["dimension_numbers"])
+    spatial = (list(numbers.input_spatial_dimensions), list(numbers.kernel_spatial_dimensions),
+               list(numbers.output_spatial_dimensions))
+    if any(dims != [2, 3] for dims in spatial):
+        return False
+    roles = (numbers.input_batch_dimension, numbers.input_feature_dimension,
+             numbers.kernel_input_feature_dimension, numbers.kernel_output_feature_dimension,
+             numbers.output_batch_dimension, numbers.output_feature_dimension)
+    strides = _ints(op, "window_strides", 1)
+    lhs_dilation = _ints(op, "lhs_dilation", 1)
+    rhs_dilation = _ints(op, "rhs_dilation", 1)
+    padding = [[0, 0], [0, 0]]
+    if "padding" in op.attributes:
+        flat = [int(v) for v in ir.DenseIntElementsAttr(op.attributes["padding"])]
+        padding = [flat[0:2], flat[2:4]]
+    lhs_shape, rhs_shape, out_shape = (list(t.shape) for t in types)
+    forward_form = roles in ((0, 1, 1, 0, 0, 1), (0, 1, 0, 1, 0, 1))
+    kernel_io = roles[2] == 0  # forward form: the kernel's input features lead
+    if forward_form and lhs_dilation == [1, 1]:
+        mode, images, positions, kernel_taps = 0, lhs_shape, out_shape, rhs_shape[2:]
+        forward = dict(stride=strides, pad=[p[0] for p in padding], rhs_dilation=rhs_dilation)
+    elif forward_form and strides == [1, 1]:
+        # A transposed convolution (the input gradient of a strided one). The forward convolution it
+        # transposes has stride = lhs_dilation and low padding = dilation * (taps - 1) - this padding.
+        mode, images, positions, kernel_taps = 2, out_shape, lhs_shape, rhs_shape[2:]
+        pad = [d * (k - 1) - p[0] for d, k, p in zip(rhs_dilation, kernel_taps, padding, strict=True)]
+        forward = dict(stride=lhs_dilation, pad=pad, rhs_dilation=rhs_dilation)
+        lhs_dilation = [1, 1]
+    elif roles == (1, 0, 0, 1, 1, 0) and lhs_dilation == [1, 1]:
+        # The kernel gradient of a forward convolution: the window stride here is the forward's dilation,
+        # the kernel dilation the forward's stride.
+        mode, images, positions, kernel_taps = 1, lhs_shape, rhs_shape, out_shape[2:]
+        forward = dict(stride=rhs_dilation, pad=[p[0] for p in padding], rhs_dilation=strides)
+        kernel_io = False
+    else:
+        return False
+    batch, channels, features = images[0], images[1], positions[1]
+    rows = channels * kernel_taps[0] * kernel_taps[1]
+    places = positions[2] * positions[3]
+    if 0 in (batch, rows, places, features) or (mode != 2 and places < _MIN_POSITIONS):
+        return False
+    group = min(batch, -(-_MIN_PRODUCT_WIDTH // places))
+    columns = group * places
+    slot = rows * columns + features * columns + (features * rows if mode == 1 else 0)
+    shared = features * rows if mode == 2 or (mode == 0 and kernel_io) else 0
+    if max(rows, columns, features, slot) > _INT32_MAX:
+        return False
+    scratch = slot * min(-(-batch // group), _workers()) + shared
+    if scratch > _MAX_SCRATCH_FLOATS:
+        return False
+    attributes = dict(mode=mode, kernel_io=int(kernel_io), group=group, lhs_dilation=lhs_dilation, **forward)
+    with ir.InsertionPoint(op), op.location:
+        call = _custom_call(types[2], max(scratch, 1), [lhs, rhs], attributes)
+    op.results[0].replace_all_uses_with(call)
+    op.erase()
+    return True
+
+
+def _workers() -> int:
+    """How many threads may share a convolution's images: the cores XLA's CPU pool is sized to."""
+    try:
+        return max(1, min(len(os.sched_getaffinity(0)), 64))
+    except AttributeError:
+        return max(1, min(os.cpu_count() or 1, 64))
+
+
+def _custom_call(result_type: Any, scratch: int, operands: Sequence[Any], attributes: dict[str, Any]) -> Any:
+    i64 = ir.IntegerType.get_signless(64)
+    f32 = ir.F32Type.get()
+    row_major4 = ir.DenseIntElementsAttr.get(np.asarray([3, 2, 1, 0], dtype=np.int64), type=ir.IndexType.get())
+    row_major1 = ir.DenseIntElementsAttr.get(np.asarray([0], dtype=np.int64), type=ir.IndexType.get())
+    scratch_type = ir.RankedTensorType.get([scratch], f32)
+    call = hlo.CustomCallOp.build_generic(
+        results=[result_type, scratch_type],
+        operands=list(operands),
+        attributes={
+            "call_target_name": ir.StringAttr.get(CONV_TARGET_NAME),
+            "has_side_effect": ir.BoolAttr.get(False),
+            "backend_config": ir.StringAttr.get(""),
+            # As in ``host_dots``: version 1 with the typed FFI's attributes in ``mhlo.backend_config``.
+            "api_version": ir.IntegerAttr.get(ir.IntegerType.get_signless(32), 1),
+            "called_computations": ir.ArrayAttr.get([]),
+            "operand_layouts": ir.ArrayAttr.get([row_major4, row_major4]),
+            "result_layouts": ir.ArrayAttr.get([row_major4, row_major1]),
+        },
+    )
+    config = {name: attributes[name] for name in ("mode", "kernel_io", "group")}
+    for name in ("stride", "pad", "lhs_dilation", "rhs_dilation"):
+        config[f"{name}_h"], config[f"{name}_w"] = attributes[name]
+    call.operation.attributes["mhlo.backend_config"] = ir.DictAttr.get(
+        {name: ir.IntegerAttr.get(i64, int(value)) for name, value in config.items()}
+    )
+    return call.results[0]
