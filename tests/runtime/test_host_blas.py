@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from fresh_process import run_json
 from support import assert_compiles_like_eager
 
 from tpucompile.runtime import compile_module, get_target, optimized_hlo
@@ -177,13 +178,8 @@ def test_turning_the_kernels_off_changes_the_executable_key_not_the_results(tmp_
         print(json.dumps({"host_blas": compile_cache.environment(get_target())["host_blas"],
                           "out": out.tolist()}))
     """)
-    results = []
-    for value in ("1", "0"):
-        env = {**os.environ, "TPUCOMPILE_HOST_BLAS": value, "TPUCOMPILE_CACHE_DIR": str(tmp_path / "cache")}
-        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
-        assert done.returncode == 0, done.stderr
-        results.append(json.loads(done.stdout.strip().splitlines()[-1]))
-    on, off = results
+    on, off = (run_json(script, {"TPUCOMPILE_HOST_BLAS": value, "TPUCOMPILE_CACHE_DIR": str(tmp_path / "cache")})
+               for value in ("1", "0"))
     assert on["host_blas"] == kernels().fingerprint and off["host_blas"] is None
     np.testing.assert_allclose(on["out"], off["out"], rtol=1e-5, atol=1e-5)
 

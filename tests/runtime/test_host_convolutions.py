@@ -5,15 +5,12 @@ does, values and gradients, and that a call the kernel cannot serve fails with a
 from __future__ import annotations
 
 import copy
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
 import torch.nn as nn
+from fresh_process import run_json
 
 from tpucompile import driver
 from tpucompile.runtime import compile_module, get_target, optimized_hlo
@@ -135,13 +132,8 @@ def test_turning_the_convolutions_off_changes_the_executable_key_not_the_results
         print(json.dumps({"host_blas": compile_cache.environment(get_target())["host_blas"],
                           "out": out.flatten().tolist()}))
     """)
-    results = []
-    for value in ("1", "0"):
-        env = {**os.environ, "TPUCOMPILE_HOST_CONV": value, "TPUCOMPILE_CACHE_DIR": str(tmp_path / "cache")}
-        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
-        assert done.returncode == 0, done.stderr
-        results.append(json.loads(done.stdout.strip().splitlines()[-1]))
-    on, off = results
+    on, off = (run_json(script, {"TPUCOMPILE_HOST_CONV": value, "TPUCOMPILE_CACHE_DIR": str(tmp_path / "cache")})
+               for value in ("1", "0"))
     assert on["host_blas"] != off["host_blas"] and None not in (on["host_blas"], off["host_blas"])
     assert kernels().convolutions
     torch.testing.assert_close(torch.tensor(on["out"]), torch.tensor(off["out"]), rtol=1e-5, atol=1e-5)

@@ -19,19 +19,15 @@ not touched.
 
 from __future__ import annotations
 
-import io
 import os
-import threading
-from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import stablehlo as hlo
-from jax.interpreters import mlir as jax_mlir
 
+from tpucompile.runtime.ffi_calls import ffi_call
 from tpucompile.runtime.host_blas import CONV_TARGET_NAME
-from tpucompile.runtime.mlir_walk import walk_operations
+from tpucompile.runtime.mlir_walk import rewrite_each
 
 _INT32_MAX = 2**31 - 1
 _MIN_POSITIONS = 256
@@ -45,27 +41,12 @@ below the BLAS's peak."""
 _MAX_SCRATCH_FLOATS = 1 << 26
 """Convolutions whose workspace would exceed this (256 MiB) stay with XLA: im2col of large images with many
 channels is large (a 224x224 3x3 convolution of 64 channels: 115 MB per image)."""
-_local = threading.local()
 
 
 def rewrite_convolutions(module: bytes | str) -> bytes | str:
     """``module`` with its qualifying convolutions calling the host kernel; unchanged (the same object) when
     none qualifies."""
-    marker = "convolution" if isinstance(module, str) else b"convolution"
-    if marker not in module:
-        return module
-    context = getattr(_local, "context", None)
-    if context is None:
-        context = _local.context = jax_mlir.make_ir_context()
-    with context, ir.Location.unknown():
-        parsed = ir.Module.parse(module)
-        convolutions = [op for op in walk_operations(parsed.operation) if op.name == "stablehlo.convolution"]
-        replaced = sum(_replace(op) for op in convolutions)
-        if not replaced:
-            return module
-        stream = io.BytesIO()
-        parsed.operation.write_bytecode(stream)
-        return stream.getvalue()
+    return rewrite_each(module, "stablehlo.convolution", _replace)
 
 
 def _ints(op: Any, name: str, default: int) -> list[int]:
@@ -135,10 +116,13 @@ def _replace(op: Any) -> bool:
     scratch = slot * min(-(-batch // group), _workers()) + shared
     if scratch > _MAX_SCRATCH_FLOATS:
         return False
-    attributes = dict(mode=mode, kernel_io=int(kernel_io), group=group, lhs_dilation=lhs_dilation, **forward)
+    attributes = dict(mode=mode, kernel_io=int(kernel_io), group=group)
+    for name, pair in (*forward.items(), ("lhs_dilation", lhs_dilation)):
+        attributes[f"{name}_h"], attributes[f"{name}_w"] = pair
+    scratch_type = ir.RankedTensorType.get([max(scratch, 1)], ir.F32Type.get())
     with ir.InsertionPoint(op), op.location:
-        call = _custom_call(types[2], max(scratch, 1), [lhs, rhs], attributes)
-    op.results[0].replace_all_uses_with(call)
+        call = ffi_call(CONV_TARGET_NAME, [types[2], scratch_type], [lhs, rhs], attributes)
+    op.results[0].replace_all_uses_with(call.results[0])
     op.erase()
     return True
 
@@ -149,32 +133,3 @@ def _workers() -> int:
         return max(1, min(len(os.sched_getaffinity(0)), 64))
     except AttributeError:
         return max(1, min(os.cpu_count() or 1, 64))
-
-
-def _custom_call(result_type: Any, scratch: int, operands: Sequence[Any], attributes: dict[str, Any]) -> Any:
-    i64 = ir.IntegerType.get_signless(64)
-    f32 = ir.F32Type.get()
-    row_major4 = ir.DenseIntElementsAttr.get(np.asarray([3, 2, 1, 0], dtype=np.int64), type=ir.IndexType.get())
-    row_major1 = ir.DenseIntElementsAttr.get(np.asarray([0], dtype=np.int64), type=ir.IndexType.get())
-    scratch_type = ir.RankedTensorType.get([scratch], f32)
-    call = hlo.CustomCallOp.build_generic(
-        results=[result_type, scratch_type],
-        operands=list(operands),
-        attributes={
-            "call_target_name": ir.StringAttr.get(CONV_TARGET_NAME),
-            "has_side_effect": ir.BoolAttr.get(False),
-            "backend_config": ir.StringAttr.get(""),
-            # As in ``host_dots``: version 1 with the typed FFI's attributes in ``mhlo.backend_config``.
-            "api_version": ir.IntegerAttr.get(ir.IntegerType.get_signless(32), 1),
-            "called_computations": ir.ArrayAttr.get([]),
-            "operand_layouts": ir.ArrayAttr.get([row_major4, row_major4]),
-            "result_layouts": ir.ArrayAttr.get([row_major4, row_major1]),
-        },
-    )
-    config = {name: attributes[name] for name in ("mode", "kernel_io", "group")}
-    for name in ("stride", "pad", "lhs_dilation", "rhs_dilation"):
-        config[f"{name}_h"], config[f"{name}_w"] = attributes[name]
-    call.operation.attributes["mhlo.backend_config"] = ir.DictAttr.get(
-        {name: ir.IntegerAttr.get(i64, int(value)) for name, value in config.items()}
-    )
-    return call.results[0]

@@ -1,9 +1,17 @@
-"""Walking an MLIR module's operations, nested regions included (the bindings have no walk of their own)."""
+"""Walking an MLIR module's operations, nested regions included (the bindings have no walk of their own), and
+rewriting every operation of one kind in place."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import io
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
+
+from jax.extend.mlir import ir
+from jax.interpreters import mlir as jax_mlir
+
+_local = threading.local()
 
 
 def walk_operations(operation: Any) -> Iterator[Any]:
@@ -13,3 +21,23 @@ def walk_operations(operation: Any) -> Iterator[Any]:
             for op in block.operations:
                 yield op.operation
                 yield from walk_operations(op.operation)
+
+
+def rewrite_each(module: bytes | str, name: str, replace: Callable[[Any], bool]) -> bytes | str:
+    """``module`` (text or bytecode) after ``replace`` has seen each of its operations called ``name`` (e.g.
+    ``stablehlo.convolution``) and returned whether it rewrote it; unchanged (the same object) when none was.
+    The module is parsed only when its text or bytecode mentions the operation."""
+    marker = name.split(".")[-1]
+    if (marker if isinstance(module, str) else marker.encode()) not in module:
+        return module
+    context = getattr(_local, "context", None)
+    if context is None:
+        context = _local.context = jax_mlir.make_ir_context()
+    with context, ir.Location.unknown():
+        parsed = ir.Module.parse(module)
+        found = [op for op in walk_operations(parsed.operation) if op.name == name]
+        if not sum(replace(op) for op in found):
+            return module
+        stream = io.BytesIO()
+        parsed.operation.write_bytecode(stream)
+        return stream.getvalue()

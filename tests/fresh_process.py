@@ -1,0 +1,18 @@
+"""Running a snippet in a fresh Python process, for settings that are read once per process (environment
+variables read when the host kernels load)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+
+def run_json(script: str, env: dict[str, str], timeout: float = 300) -> Any:
+    """The JSON value ``script`` prints last, run by ``python -c`` with ``env`` added to this environment."""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          env={**os.environ, **env}, timeout=timeout)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
