@@ -109,21 +109,21 @@ static XLA_FFI_Error* error(const XLA_FFI_Api* api, XLA_FFI_Error_Code code, con
   return api->XLA_FFI_Error_Create(&args);
 }
 
-/* An integer scalar attribute (attributes arrive sorted by name; there are two, so a scan is enough). */
-static int flag(const XLA_FFI_CallFrame* frame, const char* name) {
+/* The integer scalar attribute `name` into `value` (which may be negative: a padding that crops); 0 when it is
+ * absent or not an integer. Attributes are few, so a scan is enough. */
+static int scalar(const XLA_FFI_CallFrame* frame, const char* name, int64_t* value) {
   size_t length = strlen(name);
   for (int64_t i = 0; i < frame->attrs.size; ++i) {
     const XLA_FFI_ByteSpan* key = frame->attrs.names[i];
     if (key->len != length || memcmp(key->ptr, name, length) != 0) continue;
-    if (frame->attrs.types[i] != XLA_FFI_AttrType_SCALAR) return -1;
-    const XLA_FFI_Scalar* scalar = (const XLA_FFI_Scalar*)frame->attrs.attrs[i];
-    switch (scalar->dtype) {
-      case XLA_FFI_DataType_S64: return (int)*(const int64_t*)scalar->value;
-      case XLA_FFI_DataType_S32: return (int)*(const int32_t*)scalar->value;
-      default: return -1;
-    }
+    if (frame->attrs.types[i] != XLA_FFI_AttrType_SCALAR) return 0;
+    const XLA_FFI_Scalar* attr = (const XLA_FFI_Scalar*)frame->attrs.attrs[i];
+    if (attr->dtype == XLA_FFI_DataType_S64) *value = *(const int64_t*)attr->value;
+    else if (attr->dtype == XLA_FFI_DataType_S32) *value = *(const int32_t*)attr->value;
+    else return 0;
+    return 1;
   }
-  return -1;
+  return 0;
 }
 
 /* On XLA's pool threads the BLAS runs single-threaded (see tpucompile_host_gemm); set once per thread. */
@@ -168,7 +168,9 @@ XLA_FFI_Error* tpucompile_host_gemm(XLA_FFI_CallFrame* frame) {
   const XLA_FFI_Buffer* lhs = (const XLA_FFI_Buffer*)frame->args.args[0];
   const XLA_FFI_Buffer* rhs = (const XLA_FFI_Buffer*)frame->args.args[1];
   const XLA_FFI_Buffer* out = (const XLA_FFI_Buffer*)frame->rets.rets[0];
-  int transpose_lhs = flag(frame, "transpose_lhs"), transpose_rhs = flag(frame, "transpose_rhs");
+  int64_t transpose_lhs = -1, transpose_rhs = -1;
+  scalar(frame, "transpose_lhs", &transpose_lhs);
+  scalar(frame, "transpose_rhs", &transpose_rhs);
   if (lhs->rank != 3 || rhs->rank != 3 || out->rank != 3 || transpose_lhs < 0 || transpose_rhs < 0) {
     return error(frame->api, XLA_FFI_Error_Code_INVALID_ARGUMENT,
                  "tpucompile_host_gemm: expects rank-3 buffers and integer transpose_lhs/transpose_rhs");
@@ -273,22 +275,6 @@ XLA_FFI_Error* tpucompile_host_gemm(XLA_FFI_CallFrame* frame) {
  * as the scratch holds slots and the pool has threads. A worker claims groups until none is left; the caller
  * waits only for groups others have claimed, so a task that starts late (or never, on a busy pool) costs
  * nothing. The job lives on the heap until its last holder lets go: tasks may start after the call returned. */
-
-/* An integer scalar attribute that may be negative (a padding that crops); 0 when absent or not an integer. */
-static int scalar(const XLA_FFI_CallFrame* frame, const char* name, int64_t* value) {
-  size_t length = strlen(name);
-  for (int64_t i = 0; i < frame->attrs.size; ++i) {
-    const XLA_FFI_ByteSpan* key = frame->attrs.names[i];
-    if (key->len != length || memcmp(key->ptr, name, length) != 0) continue;
-    if (frame->attrs.types[i] != XLA_FFI_AttrType_SCALAR) return 0;
-    const XLA_FFI_Scalar* attr = (const XLA_FFI_Scalar*)frame->attrs.attrs[i];
-    if (attr->dtype == XLA_FFI_DataType_S64) *value = *(const int64_t*)attr->value;
-    else if (attr->dtype == XLA_FFI_DataType_S32) *value = *(const int32_t*)attr->value;
-    else return 0;
-    return 1;
-  }
-  return 0;
-}
 
 typedef struct {
   int64_t C, H, W;        /* the image im2col reads (mode 0/1) or col2im writes (mode 2) is [C, H, W] */
@@ -547,8 +533,7 @@ XLA_FFI_Error* tpucompile_host_conv(XLA_FFI_CallFrame* frame) {
     return NULL;
   }
   int64_t slot_floats = K * columns + O * columns + (mode == 1 ? O * K : 0);
-  int64_t packed_floats = mode == 1 || !io ? 0 : O * K;
-  if (mode == 2) packed_floats = O * K;
+  int64_t packed_floats = mode == 2 || (mode == 0 && io) ? O * K : 0; /* the repacked kernel, shared */
   int64_t slots = (scratch->dims[0] - packed_floats) / slot_floats;
   if (slots < 1) return bad(frame, "tpucompile_host_conv: scratch too small");
   const float* weights = (const float*)kernel->data;
