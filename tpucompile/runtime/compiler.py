@@ -5,8 +5,9 @@ from __future__ import annotations
 from jaxlib import xla_client
 
 from tpucompile.errors import CompileError
-from tpucompile.runtime.host_convolutions import rewrite_convolutions
-from tpucompile.runtime.host_dots import rewrite_dots
+from tpucompile.runtime.host_convolutions import CONVOLUTION_REPLACEMENTS
+from tpucompile.runtime.host_dots import dot_replacements
+from tpucompile.runtime.mlir_walk import rewrite_each
 from tpucompile.runtime.target import Target, compile_options
 
 
@@ -25,9 +26,10 @@ def for_target(module: bytes | str, target: Target) -> bytes | str:
     f32 convolutions call them (``host_dots``, ``host_convolutions``); otherwise unchanged."""
     if target.host_blas is None or len(target.devices) != 1:
         return module
+    replacements = dot_replacements(target.host_blas.dtypes)
     if target.host_blas.convolutions:
-        module = rewrite_convolutions(module)
-    return rewrite_dots(module, target.host_blas.dtypes)
+        replacements.update(CONVOLUTION_REPLACEMENTS)
+    return rewrite_each(module, replacements)
 
 
 def unoptimized_hlo(module: bytes | str) -> str:

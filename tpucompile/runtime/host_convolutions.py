@@ -1,25 +1,30 @@
-"""CPU programs: f32 2-D ``stablehlo.convolution`` → a call of the host im2col + BLAS kernel (``host_blas``).
+"""CPU programs: f32 2-D ``stablehlo.convolution`` → a call of the host im2col/col2im + BLAS kernel (``host_blas``).
 
-XLA's CPU convolutions are 2-4x slower than im2col followed by one sgemm per image on the shapes small vision
-models train with (a 3x3 convolution of 8x16x16x16 takes ~380 us in XLA against ~150 us that way on one core).
-The lowering (``lowering/rules/convolution.py``) emits three forms of convolution, and two kernel modes cover
-them all:
+XLA's CPU convolutions are 1.5-3x slower than im2col followed by one sgemm per image on the large-image,
+few-channel shapes small vision models train with (one compiled 3x3 convolution of 8x16x16x16: 342-404 us
+with XLA's, 242-252 us with the kernel, call overhead included). The lowering (``lowering/rules/convolution.py``)
+emits three forms of convolution, one kernel mode each:
 
 * mode 0, the forward form: input ``[B, C, H, W]``, kernel ``[O, C, KH, KW]`` or ``[C, O, KH, KW]``, result
-  ``[B, O, OH, OW]``, with strides, padding and both dilations. The input gradient (and the transposed
-  convolution) is this form with an input dilation;
+  ``[B, O, OH, OW]``, with strides, padding and kernel dilation: im2col, then one product per image;
 * mode 1, the kernel gradient: input ``x`` with batch and feature roles swapped, the output gradient as the
-  kernel, the original stride as the kernel dilation and the original dilation as the window stride. The
-  kernel computes it as ATen does, one product of the output gradient with the forward's im2col per image.
+  kernel, the original stride as the kernel dilation and the original dilation as the window stride,
+  computed as ATen does: the output gradient times the forward's im2col, summed over images;
+* mode 2, the forward form with an input dilation and unit window strides: a transposed convolution, which is
+  also the input gradient of a strided one. One product per image (small images stacked into one) followed
+  by col2im, so none of the zeros the dilated input would hold is multiplied.
 
-Grouped convolutions, other ranks, other dtypes and other dimension orders stay with XLA. Like ``host_dots``,
-the rewrite happens only when a program is compiled for this process's CPU; the stored StableHLO program is
-not touched.
+Modes 0 and 1 are taken only where their outputs have ``_MIN_POSITIONS`` positions per image or more; mode 2
+at every size. Grouped convolutions, other ranks, other dtypes and other dimension orders stay with XLA. Like
+``host_dots``, the rewrite happens only when a program is compiled for this process's CPU; the stored
+StableHLO program is not touched.
 """
 
 from __future__ import annotations
 
+import functools
 import os
+from collections.abc import Callable
 from typing import Any
 
 from jax.extend.mlir import ir
@@ -27,7 +32,6 @@ from jax.extend.mlir.dialects import stablehlo as hlo
 
 from tpucompile.runtime.ffi_calls import ffi_call
 from tpucompile.runtime.host_blas import CONV_TARGET_NAME
-from tpucompile.runtime.mlir_walk import rewrite_each
 
 _INT32_MAX = 2**31 - 1
 _MIN_POSITIONS = 256
@@ -41,12 +45,6 @@ below the BLAS's peak."""
 _MAX_SCRATCH_FLOATS = 1 << 26
 """Convolutions whose workspace would exceed this (256 MiB) stay with XLA: im2col of large images with many
 channels is large (a 224x224 3x3 convolution of 64 channels: 115 MB per image)."""
-
-
-def rewrite_convolutions(module: bytes | str) -> bytes | str:
-    """``module`` with its qualifying convolutions calling the host kernel; unchanged (the same object) when
-    none qualifies."""
-    return rewrite_each(module, "stablehlo.convolution", _replace)
 
 
 def _ints(op: Any, name: str, default: int) -> list[int]:
@@ -127,8 +125,14 @@ def _replace(op: Any) -> bool:
     return True
 
 
+CONVOLUTION_REPLACEMENTS: dict[str, Callable[[Any], bool]] = {"stablehlo.convolution": _replace}
+"""What ``rewrite_each`` calls to rewrite the convolutions (to combine with other rewrites)."""
+
+
+@functools.cache
 def _workers() -> int:
-    """How many threads may share a convolution's images: the cores XLA's CPU pool is sized to."""
+    """How many threads may share a convolution's images: the cores XLA's CPU pool is sized to (at most the
+    kernel's ``MAX_CONV_WORKERS``). Cached: the pool is sized once, when the client starts."""
     try:
         return max(1, min(len(os.sched_getaffinity(0)), 64))
     except AttributeError:

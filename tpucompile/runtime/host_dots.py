@@ -16,7 +16,7 @@ is not touched, so it stays portable to any target.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from jax.extend.mlir import ir
@@ -32,7 +32,12 @@ _INT32_MAX = 2**31 - 1
 def rewrite_dots(module: bytes | str, dtypes: frozenset[str]) -> bytes | str:
     """``module`` with its qualifying dots calling the host BLAS for ``dtypes``; unchanged (the same object)
     when no dot qualifies."""
-    return rewrite_each(module, "stablehlo.dot_general", lambda dot: _replace(dot, dtypes))
+    return rewrite_each(module, dot_replacements(dtypes))
+
+
+def dot_replacements(dtypes: frozenset[str]) -> dict[str, Callable[[Any], bool]]:
+    """What ``rewrite_each`` calls to rewrite the dots for ``dtypes`` (to combine with other rewrites)."""
+    return {"stablehlo.dot_general": lambda dot: _replace(dot, dtypes)}
 
 
 _KERNEL_DTYPES = {("f32", "f32", "f32"): "f32", ("f64", "f64", "f64"): "f64", ("bf16", "bf16", "f32"): "bf16"}

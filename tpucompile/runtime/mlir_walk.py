@@ -23,20 +23,21 @@ def walk_operations(operation: Any) -> Iterator[Any]:
                 yield from walk_operations(op.operation)
 
 
-def rewrite_each(module: bytes | str, name: str, replace: Callable[[Any], bool]) -> bytes | str:
-    """``module`` (text or bytecode) after ``replace`` has seen each of its operations called ``name`` (e.g.
-    ``stablehlo.convolution``) and returned whether it rewrote it; unchanged (the same object) when none was.
-    The module is parsed only when its text or bytecode mentions the operation."""
-    marker = name.split(".")[-1]
-    if (marker if isinstance(module, str) else marker.encode()) not in module:
+def rewrite_each(module: bytes | str, replacements: dict[str, Callable[[Any], bool]]) -> bytes | str:
+    """``module`` (text or bytecode) after each of its operations named in ``replacements`` (e.g.
+    ``stablehlo.convolution``) has been handed to that name's function, which returns whether it rewrote it;
+    unchanged (the same object) when none was. One parse and one serialisation serve every kind, and the module
+    is parsed only when its text or bytecode mentions one of them."""
+    markers = [name.split(".")[-1] for name in replacements]
+    if not any((m if isinstance(module, str) else m.encode()) in module for m in markers):
         return module
     context = getattr(_local, "context", None)
     if context is None:
         context = _local.context = jax_mlir.make_ir_context()
     with context, ir.Location.unknown():
         parsed = ir.Module.parse(module)
-        found = [op for op in walk_operations(parsed.operation) if op.name == name]
-        if not sum(replace(op) for op in found):
+        found = [op for op in walk_operations(parsed.operation) if op.name in replacements]
+        if not sum(replacements[op.name](op) for op in found):
             return module
         stream = io.BytesIO()
         parsed.operation.write_bytecode(stream)
