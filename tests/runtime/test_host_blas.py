@@ -5,11 +5,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
-import os
 import re
-import subprocess
-import sys
 import textwrap
 
 import jax
@@ -214,7 +210,4 @@ def test_products_run_on_the_callers_thread_leave_its_blas_threads_alone(tmp_pat
             torch.testing.assert_close(f(a, b, c), torch.tanh(a @ b) @ c, atol=1e-4, rtol=1e-4)
         print(json.dumps({"from_main_thread": sum(calls)}))
     """)
-    env = {**os.environ, "TPUCOMPILE_CACHE_DIR": str(tmp_path / "cache")}
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
-    assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout.strip().splitlines()[-1]) == {"from_main_thread": 0}
+    assert run_json(script, {"TPUCOMPILE_CACHE_DIR": str(tmp_path / "cache")}) == {"from_main_thread": 0}

@@ -120,6 +120,24 @@ def test_a_well_formed_call_computes_the_convolution(target):
     torch.testing.assert_close(got, torch.nn.functional.conv2d(x, w, padding=1), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("mode", [0, 1], ids=["forward", "kernel gradient"])
+def test_grouped_images_compute_what_one_at_a_time_does(target, mode):
+    """Images stacked into one product (``group`` 2 over a batch of 3: a group of 2, then 1) in the modes that
+    the rewrite sends only images large enough for groups of one: the kernel must still be right there."""
+    x, w, gy = torch.randn(3, 2, 4, 4), torch.randn(3, 2, 3, 3), torch.randn(3, 3, 4, 4)
+    # Per worker: columns (2*9 rows x 2*16 positions), staging (3 x 32), in mode 1 a partial sum (3 x 18).
+    slot = 18 * 32 + 3 * 32 + (3 * 18 if mode == 1 else 0)
+    if mode == 0:
+        module, operands = _call(_attributes(group=2), "3x2x4x4", "3x2x3x3", "3x3x4x4", 2 * slot), (x, w)
+        want = torch.nn.functional.conv2d(x, w, padding=1)
+    else:
+        module, operands = _call(_attributes(mode=1, group=2), "3x2x4x4", "3x3x4x4", "3x2x3x3", 2 * slot), (x, gy)
+        want = torch.nn.grad.conv2d_weight(x, w.shape, gy, padding=1)
+    loaded = compile_module(module, target)
+    got = to_tensor(loaded.execute([to_buffer(a, target.device) for a in operands])[0])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_turning_the_convolutions_off_changes_the_executable_key_not_the_results(tmp_path):
     """``TPUCOMPILE_HOST_CONV=0`` compiles XLA's own convolutions, under other cache keys, same results."""
     script = textwrap.dedent("""
