@@ -42,7 +42,7 @@ from tpucompile import compile_cache, diagnostics, driver
 from tpucompile.cache import canonical_json, digest
 from tpucompile.config import Options
 from tpucompile.lowering import ShapeBindings
-from tpucompile.runtime import GraphExecutable, get_target
+from tpucompile.runtime import RESULT, GraphExecutable, get_target
 
 log = logging.getLogger("tpucompile")
 
@@ -161,6 +161,20 @@ class PlanRecorder:
         self.roles: dict[str, dict[str, Any]] = {}
         self.start = time.perf_counter()
         self.abandoned = False
+        self.executables: dict[str, GraphExecutable] = {}
+        self.runner: Callable[..., Any] | None = None
+        """The plan's runner, once the plan is complete: what a warm start would run."""
+
+    def take_over(self, compiled: Callable[..., Any]) -> Callable[..., Any]:
+        """``compiled`` (AOTAutograd's callable) until the plan is complete, then the plan's runner, so a
+        process that traced the graph runs its steps as a warm start does (for training, from the call after
+        the first backward, which is when AOTAutograd compiles the backward)."""
+
+        def run(*args: Any) -> Any:
+            runner = self.runner
+            return compiled(*args) if runner is None else runner(*args)
+
+        return run
 
     def record(self, role: str, gm: torch.fx.GraphModule, compiled: Any) -> None:
         """Note the graph AOTAutograd compiled for ``role`` and what tpucompile made of it."""
@@ -183,6 +197,7 @@ class PlanRecorder:
         else:
             entry["tangents"] = sum(1 for n in placeholders if n.name.startswith("tangents"))
         self.roles[role] = entry
+        self.executables[role] = compiled
         if role == "inference" or role == "backward":
             self._store()
 
@@ -237,6 +252,9 @@ class PlanRecorder:
             if backward["tangents"] != sum(forward["differentiable"]):
                 log.debug("tpucompile: no plan for this graph (tangents do not match differentiable outputs)")
                 return
+            self.runner = _training_runner(self.roles, self.executables["forward"], self.executables["backward"])
+        else:
+            self.runner = _inference_runner(self.executables["inference"])
         compile_cache.store_plan(self.components, plan, time.perf_counter() - self.start, self.options)
 
 
@@ -285,20 +303,38 @@ def _inference_runner(executable: GraphExecutable) -> Callable[..., Any]:
 def _training_runner(
     roles: dict[str, dict[str, Any]], forward: GraphExecutable, backward: GraphExecutable
 ) -> Callable[..., Any]:
-    """An autograd.Function over the forward and backward programs, as AOTAutograd's is for plain graphs."""
+    """An autograd.Function over the forward and backward programs, as AOTAutograd's is for plain graphs.
+
+    The values the forward saves that its program computed stay device buffers (a torch tensor per value
+    costs an export in the forward and a lookup in the backward, ~6 us each). They travel to the backward on
+    a zero-size tensor passed to ``save_for_backward``, so that autograd frees them when it frees saved
+    tensors: after the backward unless the graph is retained. Saved arguments (weights) are saved as the
+    tensors they are, so autograd still catches in-place changes to them before the backward; under saved
+    tensor hooks (offloading, checkpointing helpers) every saved value is a tensor, for the hooks to see.
+    """
     returns = roles["forward"]["returns"]
     differentiable = roles["forward"]["differentiable"]
     updated = roles["forward"]["updated"]
     first_output = len(updated)
+    saved_kinds = [kind for kind, _ in forward.output_plan[returns:]]
+    computed_slots = [i for i, kind in enumerate(saved_kinds) if kind == RESULT]
+    argument_slots = [i for i, kind in enumerate(saved_kinds) if kind != RESULT]
 
     class CompiledGraph(torch.autograd.Function):
         @staticmethod
         def forward(ctx: Any, *args: Any) -> tuple[Any, ...]:
-            results = forward(list(args))
+            keep = bool(computed_slots) and not _saved_tensor_hooks_active()
+            results = forward.call_keeping(list(args), returns) if keep else forward(list(args))
             for index, value in zip(updated, results[:first_output], strict=True):
                 args[index].copy_(value)  # grad mode is off in here; these arguments need no gradient
             outputs, saved = results[first_output:returns], results[returns:]
-            ctx.save_for_backward(*saved)
+            if keep:
+                carrier = torch.empty(0)
+                carrier.device_values = [saved[i] for i in computed_slots]
+                ctx.save_for_backward(carrier, *(saved[i] for i in argument_slots))
+            else:
+                ctx.save_for_backward(*saved)
+            ctx.kept = keep
             ctx.mark_non_differentiable(*(o for o, d in zip(outputs, differentiable, strict=True) if not d))
             return tuple(outputs)
 
@@ -306,9 +342,22 @@ def _training_runner(
         @torch.autograd.function.once_differentiable
         def backward(ctx: Any, *grads: Any) -> tuple[Any, ...]:
             tangents = [g for g, d in zip(grads, differentiable, strict=True) if d]
-            return tuple(backward([*ctx.saved_tensors, *tangents]))
+            stored = ctx.saved_tensors
+            if not ctx.kept:
+                return tuple(backward([*stored, *tangents]))
+            saved: list[Any] = [None] * len(saved_kinds)
+            for slot, value in zip(computed_slots, stored[0].device_values, strict=True):
+                saved[slot] = value
+            for slot, value in zip(argument_slots, stored[1:], strict=True):
+                saved[slot] = value
+            return tuple(backward([*saved, *tangents]))
 
     def run(*args: Any) -> tuple[Any, ...]:
         return CompiledGraph.apply(*args)
 
     return run
+
+
+def _saved_tensor_hooks_active() -> bool:
+    """Whether ``torch.autograd.graph.saved_tensors_hooks`` (or a helper built on it) is in effect."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None

@@ -4,7 +4,8 @@ Dynamo hands us an FX graph of torch-level ops. AOTAutograd functionalises it an
 table, turns it into ATen graphs: one for inference, or a forward and a backward for training. Each ATen graph
 is compiled by ``driver.compile_graph``. Input mutations (BatchNorm running stats, in-place updates of
 buffers) are returned by the functional graph and written back by AOTAutograd's runtime wrapper. On a warm
-start, a graph whose plan is cached skips AOTAutograd altogether (``aot_cache``).
+start, a graph whose plan is cached skips AOTAutograd altogether (``aot_cache``); on a cold one, such a graph
+runs through AOTAutograd's wrapper only until its plan is complete, then through the plan's runner.
 """
 
 from __future__ import annotations
@@ -68,10 +69,11 @@ def tpucompile_backend(
     # Effect tokens (e.g. the error checks around linalg ops) stay inside the graphs instead of becoming
     # runtime inputs that AOTAutograd passes as None.
     with torch._functorch.config.patch(unlift_effect_tokens=True):
-        return dtensor_outputs(config, aot_autograd(
+        compiled = dtensor_outputs(config, aot_autograd(
             fw_compiler=compiler("forward"),
             bw_compiler=compiler("backward"),
             inference_compiler=compiler("inference"),
             decompositions=decomposition_table(),
             partition_fn=min_cut_rematerialization_partition,
         )(gm, example_inputs))
+    return compiled if recorder is None else recorder.take_over(compiled)

@@ -52,6 +52,41 @@ def test_warm_training_step_runs_from_the_plan_without_aot_autograd(cache_dir):
     assert kinds.count("plan") == 1
 
 
+def test_a_traced_graph_runs_from_its_plan_after_its_first_backward(cache_dir):
+    """A process that traced the graph switches to the plan's runner once AOTAutograd has compiled the
+    backward (at the first backward), so it runs its steps as a warm start would."""
+    model, x = _model(), torch.randn(5, 6)
+    eager = copy.deepcopy(model)
+    with fresh_start() as events:
+        compiled = torch.compile(model, backend="tpucompile")
+        optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (eager, model)]
+        nodes = []
+        for _ in range(3):
+            for net, optimizer in zip((eager, compiled), optimizers, strict=True):
+                optimizer.zero_grad()
+                out = net(x)
+                out.square().sum().backward()
+                optimizer.step()
+            nodes.append(type(out.grad_fn).__name__)
+    assert [e.graph is not None for e in events] == [True, True]
+    assert nodes == ["CompiledFunctionBackward", "CompiledGraphBackward", "CompiledGraphBackward"]
+    for p, q in zip(model.parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(p, q)
+
+
+def test_a_weight_changed_in_place_before_the_backward_is_reported(cache_dir):
+    """The weights a plan's forward saves are saved as tensors, so autograd's version check still applies."""
+    model, x = _model(), torch.randn(5, 6)
+    compiled = torch.compile(model, backend="tpucompile")
+    compiled(x).sum().backward()
+    loss = compiled(x).sum()
+    assert type(loss.grad_fn.next_functions[0][0]).__name__ == "CompiledGraphBackward"
+    with torch.no_grad():
+        model[2].weight.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
 def test_non_differentiable_outputs_and_unused_gradients(cache_dir):
     def fn(x, w, b):
         h = torch.tanh(x @ w)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from support import assert_compiles_like_eager, compile_fn
 
-from tpucompile import driver
+from tpucompile import compile_cache, driver
 from tpucompile.runtime import executable as executable_module
 from tpucompile.runtime import get_target
 from tpucompile.runtime.resident import ResidentBuffers, resident_buffers
@@ -149,3 +149,103 @@ def test_a_copied_buffer_is_served_only_at_the_version_it_was_copied_at():
     assert resident.get(t.t()) is None and resident.get(t.clone()) is None
     resident.remember(t.t(), buffer, shares_memory=True, imported=False)  # a strided tensor is never remembered
     assert len(resident) == 1
+
+
+@pytest.fixture
+def empty_cache(tmp_path, monkeypatch):
+    """No plan or program of an earlier test: the first step traces."""
+    monkeypatch.setenv("TPUCOMPILE_CACHE_DIR", str(tmp_path / "cache"))
+    compile_cache.clear_memory()
+
+
+def _silu_mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.SiLU(), torch.nn.Linear(16, 4))
+
+
+def _forward_executable():
+    """The forward of the training graph compiled last (AOTAutograd compiles it before the backward)."""
+    return driver.recent_executables()[-2]
+
+
+def test_saved_values_reach_the_backward_as_device_buffers(monkeypatch, empty_cache):
+    """Once the graph runs from its plan (from the second step of a traced graph), the values the forward
+    program computes for the backward are never made torch tensors: a step exports only the loss and the
+    four gradients."""
+    model = _silu_mlp()
+    eager = copy.deepcopy(model)
+    compiled = compile_fn(model)
+    x = torch.randn(5, 8)
+    exports = []
+    real_to_tensor = executable_module.to_tensor
+    monkeypatch.setattr(executable_module, "to_tensor", lambda b: exports.append(b) or real_to_tensor(b))
+    for step in range(3):
+        exports.clear()
+        for net in (eager, compiled):
+            net.zero_grad()
+            net(x).square().sum().backward()
+        for p, q in zip(model.parameters(), eager.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad)
+        computed_saved = [kind for kind, _ in _forward_executable().output_plan[1:]].count(
+            executable_module.RESULT)
+        assert computed_saved >= 2  # the SiLU's input and output, at least
+        assert len(exports) == (5 if step > 0 else 5 + computed_saved), (step, len(exports))
+
+
+def test_saved_device_buffers_are_freed_with_the_saved_tensors(monkeypatch, empty_cache):
+    """Autograd's rules for saved tensors hold for the kept buffers: freed by the backward unless the graph
+    is retained, and a second backward through a freed graph is refused."""
+    compiled = compile_fn(_silu_mlp())
+    x = torch.randn(5, 8)
+    compiled(x).sum().backward()  # the first step compiles the backward; the plan runs from the next
+    kept = []
+    real_call_keeping = executable_module.GraphExecutable.call_keeping
+
+    def recording(self, args, first_kept):
+        results = real_call_keeping(self, args, first_kept)
+        kept.extend(weakref.ref(r) for r in results[first_kept:] if not isinstance(r, torch.Tensor))
+        return results
+
+    monkeypatch.setattr(executable_module.GraphExecutable, "call_keeping", recording)
+    compiled.zero_grad()
+    loss = compiled(x).sum()
+    assert kept and all(ref() is not None for ref in kept)
+    loss.backward(retain_graph=True)
+    first = [p.grad.clone() for p in compiled.parameters()]
+    gc.collect()
+    assert all(ref() is not None for ref in kept)
+    for p in compiled.parameters():
+        p.grad = None
+    loss.backward()
+    for p, want in zip(compiled.parameters(), first, strict=True):
+        torch.testing.assert_close(p.grad, want)
+    gc.collect()
+    assert all(ref() is None for ref in kept)  # ``loss`` and its graph are still alive
+    with pytest.raises(RuntimeError, match="second time"):
+        loss.backward()
+
+
+def test_saved_tensor_hooks_see_every_saved_value(empty_cache):
+    """Under saved tensor hooks (offloading, compression) every saved value is packed as a tensor."""
+    model = _silu_mlp()
+    eager = copy.deepcopy(model)
+    compiled = compile_fn(model)
+    x = torch.randn(5, 8)
+    compiled(x).sum().backward()
+    packed = []
+
+    def pack(tensor):
+        packed.append(tuple(tensor.shape))
+        return tensor.clone()
+
+    for net in (eager, compiled):
+        net.zero_grad()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            loss = net(x).sum()
+        if net is eager:
+            packed.clear()
+        loss.backward()
+    saved_count = len(_forward_executable().output_plan) - 1
+    assert len(packed) == saved_count and all(0 not in shape for shape in packed), packed
+    for p, q in zip(model.parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad)

@@ -3,7 +3,10 @@
 This is the per-call hot path, so it does the least Python it can: input positions and the output plan are
 precomputed lists, and an input whose tensor already crossed to the device reuses that device buffer instead
 of being imported again (``runtime/resident.py`` says when an entry is still valid): weights between steps,
-and in training the weights and saved activations a backward receives from its forward.
+and in training the weights and saved activations a backward receives from its forward. A caller that hands
+results straight to another program (a training forward's saved values, which only its backward reads) can
+ask for them as device buffers (``call_keeping``): no torch tensor is made for them, and a device buffer among
+the arguments goes to the program as it is.
 """
 
 from __future__ import annotations
@@ -70,6 +73,9 @@ class GraphExecutable:
                 buffers.append(to_buffer(_draw_seed(), device))
                 continue
             tensor = args[position]
+            if not isinstance(tensor, torch.Tensor):  # a device buffer another program returned (call_keeping)
+                buffers.append(tensor)
+                continue
             buffer = resident.get(tensor)
             if buffer is None:
                 buffer = to_buffer(tensor, device)
@@ -88,13 +94,23 @@ class GraphExecutable:
         return tensor
 
     def __call__(self, args: list[Any]) -> list[Any]:
-        results = self.loaded.execute(self.buffers(args))
+        return self._outputs(self.loaded.execute(self.buffers(args)), args, len(self.output_plan))
+
+    def call_keeping(self, args: list[Any], first_kept: int) -> list[Any]:
+        """Like a call, but the outputs from position ``first_kept`` on that are program results come back as
+        device buffers, for a caller that only passes them to another program of this device."""
+        return self._outputs(self.loaded.execute(self.buffers(args)), args, first_kept)
+
+    def _outputs(self, results: list[Any], args: list[Any], first_kept: int) -> list[Any]:
         if self._results_in_order:
-            return [self._exported(result) for result in results]
+            exported = self._exported
+            if first_kept >= len(results):
+                return [exported(result) for result in results]
+            return [*(exported(result) for result in results[:first_kept]), *results[first_kept:]]
         outputs = []
-        for kind, value in self.output_plan:
+        for position, (kind, value) in enumerate(self.output_plan):
             if kind == RESULT:
-                outputs.append(self._exported(results[value]))
+                outputs.append(self._exported(results[value]) if position < first_kept else results[value])
             elif kind == INPUT:
                 outputs.append(args[value])
             elif kind == TRIMMED:
