@@ -18,9 +18,11 @@ version and the environment of the other layers.
 
 Only graphs whose AOTAutograd wrappers do nothing but call the compiled graph (and copy updated values into
 arguments) get a plan: in-place updates only of the values of arguments that need no gradient, and only in
-training graphs (inference graphs keep them inside the program); no outputs aliasing inputs or
-intermediates, no effect tokens, no tensor subclasses, no symbolic sizes, no duplicated arguments, a single
-compiled region per graph, no compile-only targets, no mesh. Everything else takes the ordinary path, as does
+training graphs (inference graphs keep them inside the program); no outputs aliasing inputs, none aliasing
+intermediates other than a view of one the graph does not return (AOTAutograd hides that aliasing from
+autograd, ``unsafe_view_alias``, and our programs' results are fresh tensors already), no effect tokens, no
+tensor subclasses, no symbolic sizes, no duplicated arguments, a single compiled region per graph, no
+compile-only targets, no mesh. Everything else takes the ordinary path, as does
 every graph while a dump is recording (dumps show AOTAutograd's graphs).
 """
 
@@ -232,7 +234,7 @@ class PlanRecorder:
             return "sizes or objects saved for the backward"
         if metadata.is_rng_op_functionalized or metadata.num_outputs_rng_offset:
             return "functionalised random state"
-        if any(o.output_type.name != "non_alias" or not issubclass(o.raw_type, torch.Tensor)
+        if any(o.output_type.name not in _PLAIN_OUTPUTS or not issubclass(o.raw_type, torch.Tensor)
                for o in metadata.output_info):
             return "outputs that alias or are not tensors"
         if any(type(m).__name__ != "PlainTensorMeta" for m in metadata.subclass_inp_meta or []):
@@ -256,6 +258,10 @@ class PlanRecorder:
         else:
             self.runner = _inference_runner(self.executables["inference"])
         compile_cache.store_plan(self.components, plan, time.perf_counter() - self.start, self.options)
+
+
+_PLAIN_OUTPUTS = ("non_alias", "unsafe_view_alias")
+"""AOTAutograd's output kinds whose runtime handling is nothing beyond returning the program's result."""
 
 
 def _not_a_plain_update(info: Any) -> bool:

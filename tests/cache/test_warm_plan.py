@@ -141,6 +141,28 @@ def test_graphs_indexing_with_an_ellipsis_get_a_plan(cache_dir):
         (slice(None, 4),), bindings)
 
 
+def test_graphs_returning_a_view_of_an_intermediate_get_a_plan(cache_dir):
+    """An output that is a view of an intermediate no other output aliases (DLRM's ``logits.squeeze(1)``):
+    AOTAutograd only hides the aliasing from autograd, so the plan's runner returns the result as it is."""
+    def score(x, w):
+        return torch.tanh(x @ w).squeeze(1)
+
+    x, w = torch.randn(5, 4), torch.randn(4, 1, requires_grad=True)
+    expected = score(x, w)
+    expected.square().sum().backward()
+    want = w.grad.clone()
+    for traced in (True, False):
+        w.grad = None
+        with fresh_start() as events:
+            out = torch.compile(score, backend="tpucompile")(x, w)
+            out.square().sum().backward()
+        assert [e.graph is not None for e in events] == [traced, traced]
+        assert out.shape == (5,) and out._base is None
+        torch.testing.assert_close(out, expected.detach())
+        torch.testing.assert_close(w.grad, want)
+        out.add_(1)  # a fresh tensor: changing it disturbs nothing the backward needs
+
+
 def test_batch_norm_training_runs_from_the_plan_and_updates_running_statistics(cache_dir):
     """BatchNorm in training updates its running statistics in place: the forward returns their new values
     first, and the plan's runner copies them into the buffers as AOTAutograd's wrapper does."""
