@@ -1,20 +1,24 @@
 """Step time, compile time, warm start and memory of every example model: eager vs Inductor vs tpucompile.
 
     python bench/run.py [--quick] [--models gpt,llama] [--backends eager,inductor,tpucompile]
-                        [--modes inference,train] [--out docs/benchmarks] [--repeat N]
+                        [--modes inference,train] [--rounds N] [--out docs/benchmarks]
 
-Every cell runs in fresh Python processes, one per measurement, with its own empty cache directories:
+Every cell runs in fresh Python processes with its own empty cache directories:
 
 * cold: the first process compiles with empty caches (``TPUCOMPILE_CACHE_DIR``, ``TORCHINDUCTOR_CACHE_DIR``);
   *compile* is its first call minus one steady-state step;
 * warm: a second process with the caches the first one filled; *warm start* is its time from process start
   to the first result (imports, model build, Dynamo, cache loads, one step);
-* steady state: in the warm process, after warm-up calls, the median (and min-max) of timed steps;
-* memory: the process's peak resident set size.
+* steady state: the warm processes of a model and mode's backends stay alive together (one at a time busy)
+  and take turns, ``--rounds`` rounds of an equal share of the timed steps each, every turn after two untimed
+  steps; the median (and min-max) of a backend's timed steps over all its turns. Taking turns within a cell,
+  rather than one backend after the other, is what keeps the ratios between backends steady on a machine
+  whose speed drifts from minute to minute;
+* memory: the peak resident set size of the backend's processes.
 
-A training step is forward, backward and an SGD step. Backends run in turn for each cell (and in rotated
-order from cell to cell), so that drift in the machine's load hits all of them alike. The results are printed
-as a markdown table and written as JSON, markdown and a PNG chart of the speedup over eager.
+A training step is forward, backward and an SGD step. The order of the backends rotates from turn to turn and
+from cell to cell. The results are printed as a markdown table and written as JSON, markdown and a PNG chart
+of the speedup over eager.
 """
 
 from __future__ import annotations
@@ -38,7 +42,12 @@ MODES = ("inference", "train")
 
 
 def child(args: argparse.Namespace) -> None:
-    """One measurement in this fresh process, printed as one JSON line."""
+    """One process of a cell: the first call, warm-up, then (``--serve``) timed steps on request.
+
+    Prints one JSON line after warm-up; when serving, reads one JSON request per line from stdin (``steps``:
+    run ``warmup`` untimed and up to ``iters`` timed steps, at least 3 and within ``budget`` seconds; ``stop``)
+    and answers each with one JSON line. The last line carries the process's peak resident set size.
+    """
     import resource
 
     import torch
@@ -68,50 +77,116 @@ def child(args: argparse.Namespace) -> None:
         if args.device == "cuda":
             torch.cuda.synchronize()
 
+    def answer(message: dict) -> None:
+        print(json.dumps(message), flush=True)
+
     start = time.perf_counter()
     step()
     first = time.perf_counter() - start
     to_first_result = time.perf_counter() - _START
     for _ in range(args.warmup):
         step()
-    times = []
-    deadline = time.perf_counter() + args.budget
-    while len(times) < args.iters and (len(times) < 3 or time.perf_counter() < deadline):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    print(json.dumps({"first_s": first, "to_first_result_s": to_first_result, "step_ms": [t * 1e3 for t in times],
-                      "peak_bytes": peak}))
+    answer({"first_s": first, "to_first_result_s": to_first_result})
+    for line in sys.stdin if args.serve else ():
+        request = json.loads(line)
+        if request["op"] != "steps":
+            break
+        for _ in range(request["warmup"]):
+            step()
+        times = []
+        deadline = time.perf_counter() + request["budget"]
+        while len(times) < request["iters"] and (len(times) < 3 or time.perf_counter() < deadline):
+            start = time.perf_counter()
+            step()
+            times.append((time.perf_counter() - start) * 1e3)
+        answer({"step_ms": times})
+    answer({"peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024})
 
 
-def measure(model: str, mode: str, backend: str, env: dict[str, str], args: argparse.Namespace) -> dict:
-    command = [sys.executable, __file__, "--child", "--model", model, "--mode", mode, "--backend", backend,
-               "--iters", str(args.iters), "--warmup", str(args.warmup), "--budget", str(args.budget),
-               "--threads", str(args.threads), "--device", args.device]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=3600)
-    if done.returncode:
-        return {"error": done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}"}
-    return json.loads(done.stdout.strip().splitlines()[-1])
+class Process:
+    """A child process of one cell, spoken to one JSON line at a time; its error, if it failed."""
+
+    def __init__(self, model: str, mode: str, backend: str, env: dict[str, str], args: argparse.Namespace,
+                 serve: bool) -> None:
+        command = [sys.executable, __file__, "--child", "--model", model, "--mode", mode, "--backend", backend,
+                   "--warmup", str(args.warmup), "--threads", str(args.threads), "--device", args.device]
+        self.log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 (lives as long as the child; closed by finish)
+        self.process = subprocess.Popen(command + (["--serve"] if serve else []), env=env, text=True,
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log)
+        self.error: str | None = None
+
+    def read(self) -> dict:
+        """The child's next answer; ``{"error": ...}`` (and the error kept) when it died instead."""
+        if self.error is None:
+            line = self.process.stdout.readline()
+            if line.strip():
+                return json.loads(line)
+            self.process.wait()
+            self.log.seek(0)
+            lines = self.log.read().strip().splitlines()
+            self.error = lines[-1] if lines else f"exit {self.process.returncode}"
+        return {"error": self.error}
+
+    def ask(self, request: dict) -> dict:
+        if self.error is None:
+            try:
+                self.process.stdin.write(json.dumps(request) + "\n")
+                self.process.stdin.flush()
+            except BrokenPipeError:
+                pass  # read() reports why
+        return self.read()
+
+    def finish(self) -> dict:
+        """Stop the child; its last answer (peak memory)."""
+        answer = self.ask({"op": "stop"})
+        self.process.stdin.close()
+        self.process.wait(timeout=600)
+        self.log.close()
+        return answer
 
 
-def run_cell(model: str, mode: str, backend: str, folder: pathlib.Path, args: argparse.Namespace) -> dict:
-    """Cold then warm process for one backend (eager: one process, it has nothing to compile or cache)."""
+def run_cells(model: str, mode: str, order: list[str], folder: pathlib.Path, args: argparse.Namespace) -> dict:
+    """Every backend's cell of one model and mode: cold processes one by one, then the warm ones (started one
+    by one, so warm starts do not overlap) taking turns at timed steps."""
     base = {k: v for k, v in os.environ.items() if not k.startswith(("TPUCOMPILE_", "TORCHINDUCTOR_"))}
-    caches = folder / f"{model}-{mode}-{backend}"
-    env = {**base, "TPUCOMPILE_CACHE_DIR": str(caches / "tpucompile"),
-           "TORCHINDUCTOR_CACHE_DIR": str(caches / "inductor")}
-    cold = measure(model, mode, backend, env, args)
-    if "error" in cold or backend == "eager":
-        return {"cold": cold, "warm": cold}
-    return {"cold": cold, "warm": measure(model, mode, backend, env, args)}
+    envs = {backend: {**base, "TPUCOMPILE_CACHE_DIR": str(folder / f"{model}-{mode}-{backend}" / "tpucompile"),
+                      "TORCHINDUCTOR_CACHE_DIR": str(folder / f"{model}-{mode}-{backend}" / "inductor")}
+            for backend in order}
+    cells: dict[str, dict] = {}
+    for backend in order:
+        if backend == "eager":  # nothing to compile or cache: its one process is cold and warm at once
+            continue
+        cold = Process(model, mode, backend, envs[backend], args, serve=False)
+        first = cold.read()
+        cells[backend] = {"cold": {**first, **cold.finish()}, "step_ms": []}
+    warm: dict[str, Process] = {}
+    for backend in order:
+        process = warm[backend] = Process(model, mode, backend, envs[backend], args, serve=True)
+        ready = process.read()
+        cells.setdefault(backend, {"step_ms": []})["warm"] = ready
+        cells[backend].setdefault("cold", ready)
+    share = max(3, math.ceil(args.iters / args.rounds))
+    for turn in range(args.rounds):
+        shift = turn % len(order)
+        for backend in order[shift:] + order[:shift]:
+            answer = warm[backend].ask({"op": "steps", "iters": share, "warmup": 2,
+                                        "budget": args.budget / args.rounds})
+            cells[backend]["step_ms"] += answer.get("step_ms", [])
+    for backend, process in warm.items():
+        last = process.finish()
+        cell = cells[backend]
+        cell["warm"] = {**cell["warm"], **last}
+        if process.error and "error" not in cell["warm"]:
+            cell["warm"]["error"] = process.error
+        if backend == "eager":
+            cell["cold"] = cell["warm"]
+    return cells
 
 
 def summarize(cell: dict) -> dict:
-    cold, warm = cell["cold"], cell["warm"]
-    if "error" in cold or "error" in warm:
-        return {"error": cold.get("error") or warm.get("error")}
-    steps = warm["step_ms"]
+    cold, warm, steps = cell["cold"], cell["warm"], cell["step_ms"]
+    if "error" in cold or "error" in warm or not steps:
+        return {"error": cold.get("error") or warm.get("error") or "no timed steps"}
     median = statistics.median(steps)
     return {
         "step_ms": median, "step_min_ms": min(steps), "step_max_ms": max(steps), "steps": len(steps),
@@ -200,11 +275,13 @@ def main() -> None:
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--mode", help=argparse.SUPPRESS)
     parser.add_argument("--backend", help=argparse.SUPPRESS)
+    parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--quick", action="store_true", help="MLP and GPT only, fewer timed steps")
     parser.add_argument("--models", help="comma-separated subset of mlp,gpt,llama,qwen,resnet,unet,dlrm")
     parser.add_argument("--backends", default=",".join(BACKENDS))
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--iters", type=int, default=30, help="timed steps per cell (at most)")
+    parser.add_argument("--rounds", type=int, default=3, help="turns each backend takes at its timed steps")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--budget", type=float, default=10.0, help="seconds of timed steps per cell (at most)")
     parser.add_argument("--device", default="cpu", help="where the model and its tensors live (cpu, cuda)")
@@ -221,6 +298,8 @@ def main() -> None:
     models = args.models.split(",") if args.models else (["mlp", "gpt"] if args.quick else list(WORKLOADS))
     if args.quick:
         args.iters, args.warmup, args.budget = min(args.iters, 10), min(args.warmup, 2), min(args.budget, 3.0)
+        args.rounds = min(args.rounds, 2)
+    args.rounds = max(1, args.rounds)
     backends, modes = args.backends.split(","), args.modes.split(",")
     unknown = sorted(set(models) - set(WORKLOADS)) + sorted(set(backends) - set(BACKENDS))
     if unknown:
@@ -233,10 +312,9 @@ def main() -> None:
             for mode in modes:
                 order = backends[rotation % len(backends):] + backends[: rotation % len(backends)]
                 rotation += 1
-                for backend in order:
-                    cell = run_cell(model, mode, backend, pathlib.Path(tmp), args)
-                    results[f"{model}/{mode}/{backend}"] = summarize(cell)
-                    r = results[f"{model}/{mode}/{backend}"]
+                cells = run_cells(model, mode, order, pathlib.Path(tmp), args)
+                for backend in backends:
+                    r = results[f"{model}/{mode}/{backend}"] = summarize(cells[backend])
                     status = r.get("error") or f"{r['step_ms']:.2f} ms/step"
                     print(f"{model} {mode} {backend}: {status}", file=sys.stderr, flush=True)
     text = table(results, backends, modes, models)
