@@ -148,7 +148,9 @@ class Process:
 def run_cells(model: str, mode: str, order: list[str], folder: pathlib.Path, args: argparse.Namespace) -> dict:
     """Every backend's cell of one model and mode: cold processes one by one, then the warm ones (started one
     by one, so warm starts do not overlap) taking turns at timed steps."""
-    base = {k: v for k, v in os.environ.items() if not k.startswith(("TPUCOMPILE_", "TORCHINDUCTOR_"))}
+    # No switch or cache setting of the caller leaks into a cell; where the host kernel library is built may.
+    base = {k: v for k, v in os.environ.items()
+            if not k.startswith(("TPUCOMPILE_", "TORCHINDUCTOR_")) or k == "TPUCOMPILE_BUILD_DIR"}
     envs = {backend: {**base, "TPUCOMPILE_CACHE_DIR": str(folder / f"{model}-{mode}-{backend}" / "tpucompile"),
                       "TORCHINDUCTOR_CACHE_DIR": str(folder / f"{model}-{mode}-{backend}" / "inductor")}
             for backend in order}
