@@ -325,6 +325,11 @@ def _training_runner(
     saved_kinds = [kind for kind, _ in forward.output_plan[returns:]]
     computed_slots = [i for i, kind in enumerate(saved_kinds) if kind == RESULT]
     argument_slots = [i for i, kind in enumerate(saved_kinds) if kind != RESULT]
+    # Compiled autograd traces the backward of Python autograd.Functions with Dynamo: the program call is
+    # opaque to it, as AOTAutograd's compiled backward is (traced, its resident-buffer lookups would guard
+    # on tensor ids and recompile every step).
+    run_backward = torch._dynamo.disable(lambda arguments: backward(arguments),
+                                         reason="tpucompile runs the backward program")
 
     class CompiledGraph(torch.autograd.Function):
         @staticmethod
@@ -350,13 +355,13 @@ def _training_runner(
             tangents = [g for g, d in zip(grads, differentiable, strict=True) if d]
             stored = ctx.saved_tensors
             if not ctx.kept:
-                return tuple(backward([*stored, *tangents]))
+                return tuple(run_backward([*stored, *tangents]))
             saved: list[Any] = [None] * len(saved_kinds)
             for slot, value in zip(computed_slots, stored[0].device_values, strict=True):
                 saved[slot] = value
             for slot, value in zip(argument_slots, stored[1:], strict=True):
                 saved[slot] = value
-            return tuple(backward([*saved, *tangents]))
+            return tuple(run_backward([*saved, *tangents]))
 
     def run(*args: Any) -> tuple[Any, ...]:
         return CompiledGraph.apply(*args)

@@ -87,6 +87,28 @@ def test_a_weight_changed_in_place_before_the_backward_is_reported(cache_dir):
         loss.backward()
 
 
+def test_compiled_autograd_calls_the_plans_backward_program_without_tracing_into_it(cache_dir):
+    """Compiled autograd traces Python autograd.Functions' backwards with Dynamo; the plan's backward program
+    call must stay opaque to it (traced, the runtime's per-tensor lookups would recompile every step)."""
+    model, x = _model(), torch.randn(5, 6)
+    _train_step(model, x, compile_it=True)  # stores the plan
+    eager = copy.deepcopy(model)
+    with fresh_start() as events, torch._dynamo.config.patch(error_on_recompile=True):
+        compiled = torch.compile(model, backend="tpucompile")
+        for _ in range(3):
+            for net in (eager, compiled):
+                net.zero_grad()
+                loss = net(x).square().sum()
+                if net is compiled:
+                    with torch._dynamo.compiled_autograd._enable(torch.compile(backend="eager")):
+                        loss.backward()
+                else:
+                    loss.backward()
+            for p, q in zip(model.parameters(), eager.parameters(), strict=True):
+                torch.testing.assert_close(p.grad, q.grad)
+    assert [e.graph for e in events] == [None, None]
+
+
 def test_non_differentiable_outputs_and_unused_gradients(cache_dir):
     def fn(x, w, b):
         h = torch.tanh(x @ w)
