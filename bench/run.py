@@ -24,6 +24,7 @@ of the speedup over eager.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -139,7 +140,8 @@ class Process:
     def finish(self) -> dict:
         """Stop the child; its last answer (peak memory)."""
         answer = self.ask({"op": "stop"})
-        self.process.stdin.close()
+        with contextlib.suppress(BrokenPipeError):  # a child that died leaves the request unsent
+            self.process.stdin.close()
         self.process.wait(timeout=600)
         self.log.close()
         return answer
@@ -164,9 +166,7 @@ def run_cells(model: str, mode: str, order: list[str], folder: pathlib.Path, arg
     warm: dict[str, Process] = {}
     for backend in order:
         process = warm[backend] = Process(model, mode, backend, envs[backend], args, serve=True)
-        ready = process.read()
-        cells.setdefault(backend, {"step_ms": []})["warm"] = ready
-        cells[backend].setdefault("cold", ready)
+        cells.setdefault(backend, {"step_ms": []})["warm"] = process.read()
     share = max(3, math.ceil(args.iters / args.rounds))
     for turn in range(args.rounds):
         shift = turn % len(order)
@@ -175,11 +175,8 @@ def run_cells(model: str, mode: str, order: list[str], folder: pathlib.Path, arg
                                         "budget": args.budget / args.rounds})
             cells[backend]["step_ms"] += answer.get("step_ms", [])
     for backend, process in warm.items():
-        last = process.finish()
         cell = cells[backend]
-        cell["warm"] = {**cell["warm"], **last}
-        if process.error and "error" not in cell["warm"]:
-            cell["warm"]["error"] = process.error
+        cell["warm"] = {**cell["warm"], **process.finish()}  # peak memory, or the error the child died of
         if backend == "eager":
             cell["cold"] = cell["warm"]
     return cells
@@ -282,7 +279,8 @@ def main() -> None:
     parser.add_argument("--models", help="comma-separated subset of mlp,gpt,llama,qwen,resnet,unet,dlrm")
     parser.add_argument("--backends", default=",".join(BACKENDS))
     parser.add_argument("--modes", default=",".join(MODES))
-    parser.add_argument("--iters", type=int, default=30, help="timed steps per cell (at most)")
+    parser.add_argument("--iters", type=int, default=30,
+                        help="timed steps per cell, shared over the rounds (each turn takes at least 3)")
     parser.add_argument("--rounds", type=int, default=3, help="turns each backend takes at its timed steps")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--budget", type=float, default=10.0, help="seconds of timed steps per cell (at most)")
