@@ -165,8 +165,47 @@ def compile_options(target: Target, num_partitions: int | None = None) -> object
         )
         if assignment:  # results the program leaves unannotated take the layout XLA's propagation finds best
             options.executable_build_options.allow_spmd_sharding_propagation_to_output = [True]
+        if target.platform == "cpu":
+            options.env_option_overrides = cpu_option_overrides(target.client)
         _compile_options[key] = options
     return options
+
+
+CPU_SCHEDULER_FLAG = "xla_cpu_scheduler_type"
+CPU_SCHEDULER = "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"
+"""XLA's CPU compiler orders a program's instructions for concurrency by default: independent instructions
+get separate buffers, so its thunk executor finds several ready at once and hands half of them to the
+intra-op pool each time. For the small instructions of PyTorch graphs on a CPU the hand-off (waking a pool
+thread, moving data between cores) costs more than the overlap gains; the memory-optimised order reuses
+buffers, which chains the thunks so that few are ready together (DLRM's inference program: 11 source thunks
+-> 3, its step 0.25 -> 0.12 ms; docs/benchmarks.md has every model)."""
+
+_USER_SCHEDULER_FLAGS = {CPU_SCHEDULER_FLAG, "xla_cpu_enable_concurrency_optimized_scheduler"}
+_PROBE_MODULE = "func.func public @main(%x: tensor<f32>) -> tensor<f32> { return %x : tensor<f32> }"
+_cpu_overrides: dict[int, list[tuple[str, object]]] = {}
+
+
+def cpu_option_overrides(client: object, environ: dict[str, str] | None = None) -> list[tuple[str, object]]:
+    """The XLA options tpucompile sets for compiles on ``client`` (a CPU client): none when ``XLA_FLAGS``
+    chooses a scheduler itself, or when this jaxlib's XLA does not know the option (checked once per client
+    with a one-instruction compile, which fails on the option before compiling anything)."""
+    environ = os.environ if environ is None else environ
+    chosen = {token.lstrip("-").split("=", 1)[0] for token in shlex.split(environ.get("XLA_FLAGS", ""))}
+    if chosen & _USER_SCHEDULER_FLAGS:
+        return []
+    found = _cpu_overrides.get(id(client))
+    if found is None:
+        found = [(CPU_SCHEDULER_FLAG, CPU_SCHEDULER)]
+        probe = jax_backend.get_compile_options(num_replicas=1, num_partitions=1)
+        probe.env_option_overrides = found
+        try:
+            client.compile_and_load(_PROBE_MODULE, xla_client.DeviceList(tuple(client.devices()[:1])), probe)
+        except xla_client.XlaRuntimeError as failure:
+            if CPU_SCHEDULER_FLAG not in str(failure) and "compile option" not in str(failure):
+                raise
+            found = []
+        _cpu_overrides[id(client)] = found
+    return list(found)
 
 
 # XLA flags and DebugOptions fields that only change what XLA writes or logs, never the code it generates.
@@ -221,6 +260,7 @@ def describe_compile_options(options: object) -> str:
     build = options.executable_build_options
     lines = [f"{name}: {getattr(options, name)!r}"
              for name in ("num_replicas", "num_partitions", "parameter_is_tupled_arguments", "profile_version")]
+    lines.append(f"env_option_overrides: {sorted(options.env_option_overrides)!r}")
     lines.append("executable_build_options:")
     lines += [f"  {name}: {getattr(build, name, None)!r}" for name in _BUILD_OPTION_FIELDS]
     lines.append("debug_options:")
