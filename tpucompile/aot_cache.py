@@ -89,9 +89,12 @@ def plan_components(
 
 @functools.cache
 def _plan_sources_digest() -> str:
-    """SHA-256 of the code that decides what AOTAutograd is asked to do and how a plan is run."""
+    """SHA-256 of the code that decides what AOTAutograd is asked to do and how a plan is run: the backend,
+    this module, and the passes that rewrite the Dynamo graph before AOTAutograd traces it (their output
+    keeps the graph's digest: a call is pointed at a function of the same name)."""
     package = pathlib.Path(__file__).resolve().parent
-    sources = [package / "backend.py", package / "aot_cache.py", package / "passes" / "attention.py"]
+    sources = [package / "backend.py", package / "aot_cache.py", package / "passes" / "attention.py",
+               package / "passes" / "interpolation.py"]
     return digest(b"\0".join(path.read_bytes() for path in sources))
 
 

@@ -76,6 +76,49 @@ def test_resampling_gradient_is_products_1d_3d(aten_ops, call):
     assert aten_ops & {aten.mm.default, aten.bmm.default}
 
 
+SLICED_UPSAMPLING_CALLS = {
+    "bilinear_up2": ((2, 3, 5, 7), dict(mode="bilinear", scale_factor=2)),
+    "bilinear_up4_rows_only": ((2, 3, 5, 7), dict(mode="bilinear", scale_factor=(4, 1))),
+    "bilinear_size_doubles_columns": ((2, 3, 5, 7), dict(mode="bilinear", size=(5, 14))),
+    "bilinear_single_pixel": ((2, 3, 1, 1), dict(mode="bilinear", scale_factor=2)),
+    "bilinear_up2_recomputed": ((2, 3, 5, 7), dict(mode="bilinear", scale_factor=2.0, recompute_scale_factor=True)),
+    "linear_up8": ((2, 3, 6), dict(mode="linear", scale_factor=8)),
+    "trilinear_mixed": ((1, 2, 3, 4, 5), dict(mode="trilinear", scale_factor=(2, 1, 4))),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("call", SLICED_UPSAMPLING_CALLS)
+def test_power_of_two_linear_upsampling_is_sliced(aten_ops, call, dtype):
+    """Linear upsampling by powers of two (no ``align_corners``) is computed from shifted slices, not gathered,
+    with the kernel's weights; the backward stays products."""
+    shape, kwargs = SLICED_UPSAMPLING_CALLS[call]
+    x = torch.randn(shape, dtype=dtype)
+    assert_compiles_like_eager(lambda x: F.interpolate(x, **kwargs), x, grad=True)
+    assert not aten_ops & {aten.index.Tensor, aten._unsafe_index.Tensor, aten.index_put.default}
+    assert aten_ops & {aten.mm.default, aten.bmm.default}
+
+
+def test_sliced_upsampling_of_a_channels_last_activation(aten_ops):
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.ReLU(),
+                                torch.nn.Upsample(scale_factor=2, mode="bilinear"))
+    x = torch.randn(2, 3, 6, 4).to(memory_format=torch.channels_last)
+    assert_compiles_like_eager(model, x, grad=True)
+    assert aten.index.Tensor not in aten_ops
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(mode="bilinear", scale_factor=3), dict(mode="bilinear", scale_factor=2, align_corners=True),
+     dict(mode="bilinear", scale_factor=2.0001), dict(mode="bilinear", scale_factor=(2, 0.5))],
+    ids=["factor_3", "align_corners", "factor_off_by_a_little", "one_dim_down"],
+)
+def test_other_linear_resampling_still_gathers(aten_ops, kwargs):
+    """Factors whose weights are not the same at every k-th output keep the gather, and still match."""
+    assert_compiles_like_eager(lambda x: F.interpolate(x, **kwargs), torch.randn(2, 3, 5, 7), grad=True)
+    assert aten.index.Tensor in aten_ops or aten._unsafe_index.Tensor in aten_ops
+
+
 def test_resampling_modules_and_channels_last(aten_ops):
     model = torch.nn.Sequential(
         torch.nn.Conv2d(3, 4, 3, padding=1),

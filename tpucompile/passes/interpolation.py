@@ -9,10 +9,13 @@ with constant ``(out, in)`` matrices, so the gradient is ``A_h^T @ grad @ A_w``:
 dim (0.18-0.22 ms there).
 
 The forward stays a gather (it fuses into one loop, cheaper than two products): ``F.interpolate`` for
-bilinear, and for nearest an index with the kernel's own source indices, because PyTorch's decomposition
+linear modes, and for nearest an index with the kernel's own source indices, because PyTorch's decomposition
 of nearest resampling disagrees with its kernel when a scale factor keeps the size (``nearest_source``).
 Only the backward is written as products, through an ``autograd.Function`` that AOTAutograd traces like any
-other.
+other. One forward is not a gather: linear upsampling by a power of two without ``align_corners`` (``nn.Upsample
+(scale_factor=2, mode="bilinear")`` in U-Nets and decoders) has the same two weights at every ``k``-th output, so
+each of the ``k`` phases is a weighted sum of two shifted slices of the edge-padded input, interleaved
+(``phase_upsample``): index arithmetic XLA fuses into one loop, 4-5x faster than its gather on CPU.
 
 The matrices hold the weights of PyTorch's CPU kernels, computed in float32 (float64 for float64 inputs) as
 they do. Linear: source coordinate ``scale * (dst + 0.5) - 0.5`` clamped at 0 (``scale * dst`` with
@@ -85,6 +88,10 @@ class _ResampleWithProductGradient(torch.autograd.Function):
             # Broadcastable index tensors, one per resampled dim: dim i varies along axis i of the result.
             grid = [source.reshape([-1] + [1] * (count - 1 - i)) for i, source in enumerate(sources)]
             return input[(slice(None), slice(None), *grid)]
+        if not align_corners:
+            factors = _power_of_two_factors(ctx.in_sizes, out_sizes, scales)
+            if factors is not None:
+                return phase_upsample(input, factors)
         return F.interpolate(input, size, scale_factor, mode, align_corners, recompute_scale_factor)
 
     @staticmethod
@@ -104,6 +111,48 @@ class _ResampleWithProductGradient(torch.autograd.Function):
             else:
                 result = torch.matmul(result.movedim(dim, -1), matrix).movedim(-1, dim)
         return result.to(ctx.dtype), None, None, None, None, None, None, None
+
+
+def phase_upsample(input: torch.Tensor, factors: list[int]) -> torch.Tensor:
+    """Linear upsampling without ``align_corners`` of the resampled dims of ``input`` (all after the first
+    two) by the integer ``factors`` (1 leaves a dim alone), exactly as PyTorch's CPU kernel weighs it when each
+    factor is a power of two and the source scale its inverse. Output ``k * m + r`` of a dim upsampled by ``k``
+    sits at source ``m + f``, ``f = (r + 0.5) / k - 0.5``: it is ``-f * x[m - 1] + (1 + f) * x[m]`` for
+    ``f < 0`` and ``(1 - f) * x[m] + f * x[m + 1]`` otherwise, with the neighbours clamped to the edge (as the
+    kernel clamps its source index). The weights are exact binary fractions; half-precision inputs are
+    computed in float32 and rounded once, as the kernel does. The last dim is resampled first, the order in
+    which the kernel combines its taps."""
+    work = torch.float32 if input.dtype in (torch.float16, torch.bfloat16) else input.dtype
+    result = input.to(work)
+    for dim in reversed(range(2, input.dim())):
+        k = factors[dim - 2]
+        if k == 1:
+            continue
+        n = result.shape[dim]
+        padded = torch.cat([result.narrow(dim, 0, 1), result, result.narrow(dim, n - 1, 1)], dim)
+        phases = []
+        for r in range(k):
+            f = (r + 0.5) / k - 0.5
+            if f < 0:
+                phases.append(padded.narrow(dim, 0, n) * -f + padded.narrow(dim, 1, n) * (1 + f))
+            else:
+                phases.append(padded.narrow(dim, 1, n) * (1 - f) + padded.narrow(dim, 2, n) * f)
+        result = torch.stack(phases, dim + 1).flatten(dim, dim + 1)
+    return result.to(input.dtype)
+
+
+def _power_of_two_factors(in_sizes: tuple[int, ...], out_sizes: list[int], scales: list[float | None]
+                          ) -> list[int] | None:
+    """Per resampled dim, the factor ``phase_upsample`` upsamples it by, or None unless every dim keeps its
+    size or grows by a power of two with the kernel's source scale exactly its inverse (a factor of 2.0001
+    that still doubles the size does not qualify: its weights drift along the dim)."""
+    factors = []
+    for size_in, size_out, scale in zip(in_sizes, out_sizes, scales, strict=True):
+        k, remainder = divmod(size_out, size_in)
+        if remainder or k & (k - 1) or source_scale(size_in, size_out, False, scale) != 1.0 / k:
+            return None
+        factors.append(k)
+    return factors if any(k > 1 for k in factors) else None
 
 
 def resampling_matrix(
