@@ -190,8 +190,7 @@ def cpu_option_overrides(client: object, environ: dict[str, str] | None = None) 
     chooses a scheduler itself, or when this jaxlib's XLA does not know the option (checked once per client
     with a one-instruction compile, which fails on the option before compiling anything)."""
     environ = os.environ if environ is None else environ
-    chosen = {token.lstrip("-").split("=", 1)[0] for token in shlex.split(environ.get("XLA_FLAGS", ""))}
-    if chosen & _USER_SCHEDULER_FLAGS:
+    if {name for name, _ in _flags_in(environ.get("XLA_FLAGS", ""))} & _USER_SCHEDULER_FLAGS:
         return []
     found = _cpu_overrides.get(id(client))
     if found is None:
@@ -230,11 +229,16 @@ def build_flags(environ: dict[str, str] | None = None, platform: str | None = No
     foreign = _OTHER_PLATFORM_FLAGS if platform == "tpu" else ()
     flags: dict[str, str] = {}
     for variable in ("XLA_FLAGS", "LIBTPU_INIT_ARGS"):
-        for token in shlex.split(environ.get(variable, "")):
-            name = token.lstrip("-").split("=", 1)[0]
+        for name, flag in _flags_in(environ.get(variable, "")):
             if name and not _is_debug_flag(name) and name not in _RUNTIME_ONLY_FLAGS and not name.startswith(foreign):
-                flags[name] = token.lstrip("-")
+                flags[name] = flag
     return [flags[name] for name in sorted(flags)]
+
+
+def _flags_in(text: str) -> list[tuple[str, str]]:
+    """(name, ``name=value`` without leading dashes) of each flag in an ``XLA_FLAGS``-style string."""
+    flags = [token.lstrip("-") for token in shlex.split(text)]
+    return [(flag.split("=", 1)[0], flag) for flag in flags]
 
 
 def compile_options_fingerprint(options: object) -> bytes:

@@ -141,10 +141,10 @@ def _topk_by_reduction(x: Value, dim: int, k: int, largest: bool) -> tuple[Value
         return [builder.select(take_b, value_b, value_a), builder.select(take_b, index_b, index_a),
                 hlo.or_(open_a, open_b)]
 
+    inits = [builder.constant(0, dtype), builder.constant(builder.max_value(torch.int64), torch.int64),
+             builder.constant(False, torch.bool)]
     values, indices = [], []
     for _ in range(k):
-        inits = [builder.constant(0, dtype), builder.constant(builder.max_value(torch.int64), torch.int64),
-                 builder.constant(False, torch.bool)]
         value, index, _ = builder.reduce([x, positions, open_], inits, [dim], first_of)
         value, index = builder.reshape(value, kept), builder.reshape(index, kept)
         values.append(value)
