@@ -53,6 +53,8 @@ from tpucompile.lowering import LoweredProgram, OutputSlot, ShapeBindings, Tenso
 from tpucompile.lowering.context import mlir_context
 from tpucompile.runtime import Target, build_flags, compile_module, compile_options, compile_options_fingerprint
 from tpucompile.runtime.compile_only import TargetCompileError, compile_for
+from tpucompile.runtime.custom_calls import prepare as prepare_custom_calls
+from tpucompile.runtime.custom_calls import targets_of as custom_call_targets
 
 log = logging.getLogger("tpucompile")
 
@@ -408,12 +410,27 @@ def _load_persistent(cache: PersistentCache, key: str, target: Target) -> tuple[
     if found is None:
         return None
     entry, tier = found
+    calls = entry.metadata.get("custom_calls")
+    if calls is not None and not _ready_to_run(calls, key, target):
+        return None
     try:
         loaded = target.client.deserialize_executable(entry.payload, target.device_list(), compile_options(target))
     except Exception as error:  # verified bytes that XLA refuses: quarantine, recompile
         cache.quarantine(key, f"XLA cannot deserialize it: {type(error).__name__}: {error}")
         return None
+    # Entries written before their custom calls were recorded: read them off the loaded program.
+    if calls is None and not _ready_to_run(custom_call_targets(loaded, target.platform), key, target):
+        return None
     return loaded, entry, tier
+
+
+def _ready_to_run(calls: list[str], key: str, target: Target) -> bool:
+    """Whether this process can run a cached program that calls ``calls``, after setting up their libraries.
+    A program it cannot run is a miss (the entry stays: it is sound, only this process lacks something)."""
+    unready = prepare_custom_calls(calls, target.platform)
+    if unready is not None:
+        log.warning("tpucompile: cached executable %s not used: %s", key[:12], unready)
+    return unready is None
 
 
 def _compile(
@@ -439,7 +456,8 @@ def _compile(
             except Exception as error:
                 log.debug("%s: executable not serialisable, kept in memory only: %s", name, error)
             else:
-                cache.put(Entry.create(components, blob, {"name": name}, compile_seconds))
+                calls = custom_call_targets(loaded, target.platform)
+                cache.put(Entry.create(components, blob, {"name": name, "custom_calls": calls}, compile_seconds))
     seconds = time.perf_counter() - start
     log.debug("%s: compiled in %.1f ms (key %s)", name, compile_seconds * 1e3, key[:12])
     return LoadedExecutable(loaded, key, components, None, seconds, 0.0)

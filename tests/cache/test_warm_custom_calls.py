@@ -1,0 +1,114 @@
+"""Warm starts of programs that call runtime libraries (jaxlib's LAPACK kernels, the host BLAS kernels): each is
+compiled in one fresh process and run from the cache in another, which must neither crash nor compile."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from cache_helpers import compile_and_run, workload_env
+
+from tpucompile.cache import Entry, LocalStore, decode, encode
+from tpucompile.runtime import custom_calls, get_target
+
+_OPS = """
+import json, sys, torch
+spd = lambda a: a @ a.mT + 4 * torch.eye(a.shape[-1])
+OPS = {
+    "qr": lambda a: torch.linalg.qr(a)[0],
+    "svdvals": torch.linalg.svdvals,
+    "solve": lambda a: torch.linalg.solve(a, a[:, :2]),
+    "inv": torch.linalg.inv,
+    "lu_factor": lambda a: torch.linalg.lu_factor(a)[0],
+    "det": torch.linalg.det,
+    "lu": lambda a: torch.linalg.lu(a)[2],
+    "cholesky": lambda a: torch.linalg.cholesky(spd(a)),
+    "eigh": lambda a: torch.linalg.eigh(spd(a))[0],
+    "solve_triangular": lambda a: torch.linalg.solve_triangular(spd(a).triu(), a, upper=True),
+    "matmul": lambda a: a @ a.T,
+    "conv2d": lambda a: torch.nn.functional.conv2d(a.reshape(1, 1, 4, 4).repeat(1, 3, 4, 4),
+                                                   a[:3, :3].reshape(1, 1, 3, 3).repeat(4, 3, 1, 1), padding=1),
+}
+if "--drop-recorded-calls" in sys.argv:  # write entries as a release that did not record their calls
+    import tpucompile.compile_cache as cache
+    cache.custom_call_targets = lambda executable, platform: None
+a = torch.randn(4, 4, generator=torch.Generator().manual_seed(0)) + 2 * torch.eye(4)
+errors = {}
+for name, fn in OPS.items():
+    torch._dynamo.reset()
+    got = torch.compile(fn, backend="tpucompile", fullgraph=True)(a)
+    errors[name] = (got - fn(a)).abs().max().item()
+print(json.dumps(errors))
+"""
+
+
+def _run_ops(cache_dir, mode: str, *args: str) -> dict[str, float]:
+    env = workload_env(cache_dir, TPUCOMPILE_CACHE_MODE=mode, TPUCOMPILE_FALLBACK="error")
+    done = subprocess.run([sys.executable, "-c", _OPS, *args], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, f"exit code {done.returncode}:\n{done.stderr[-3000:]}"
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("recorded", [True, False], ids=["recorded-calls", "legacy-entries"])
+def test_linear_algebra_and_host_kernels_run_warm_in_a_fresh_process(tmp_path, recorded):
+    """Cold in one process, then warm in another in strict mode (a miss would fail the op): the warm run must
+    not crash (jaxlib's LAPACK handlers are only initialised when jax lowers, which a warm start never does)
+    and must give the cold run's results. Entries that predate the recorded calls are read off the program."""
+    extra = () if recorded else ("--drop-recorded-calls",)
+    cold = _run_ops(tmp_path, "read-write", *extra)
+    warm = _run_ops(tmp_path, "strict")
+    assert all(error < 1e-4 for error in cold.values()), cold
+    assert warm == cold
+
+
+def test_prepare_initialises_lapack_and_refuses_what_the_process_lacks():
+    get_target()  # jax registers its handlers as its backend starts
+    assert custom_calls.prepare(["lapack_sgetrf_ffi", "lapack_dpotrf_ffi"], "cpu") is None
+    assert "not registered" in custom_calls.prepare(["lapack_sgetrf_ffi", "no_such_kernel_ffi"], "cpu")
+    assert "Python object" in custom_calls.prepare(["xla_ffi_python_cpu_callback"], "cpu")
+    assert custom_calls.prepare([], "cpu") is None
+
+
+def test_an_entry_calling_an_unregistered_target_is_a_logged_miss(tmp_path, monkeypatch, caplog):
+    """A sound entry whose program calls something this process lacks is not served: it is recompiled (and
+    the reason logged), never run."""
+    monkeypatch.setenv("TPUCOMPILE_CACHE_DIR", str(tmp_path))
+    a = torch.randn(4, 4) + 2 * torch.eye(4)
+    compile_and_run(torch.linalg.inv, a)
+    store = LocalStore(tmp_path)
+    for key in store.list_keys():
+        entry = decode(store.read(key), key)
+        if entry.kind == "executable":
+            metadata = {**entry.metadata, "custom_calls": ["not_in_this_process_ffi"]}
+            store.delete(key)
+            store.publish(key, encode(Entry(entry.key, entry.kind, entry.components, entry.payload, metadata,
+                                            entry.compile_seconds, entry.created)))
+    with caplog.at_level(logging.WARNING, logger="tpucompile"):
+        result, (event,) = compile_and_run(torch.linalg.inv, a)
+    torch.testing.assert_close(result, torch.linalg.inv(a))
+    assert event.tier is None, "the entry was served"
+    assert "not_in_this_process_ffi" in caplog.text
+
+
+@pytest.mark.slow
+def test_opinfo_programs_replay_warm_in_a_fresh_process(tmp_path):
+    """Every kind of program the OpInfo sweep compiles (its first float32 sample of each op) is compiled in one
+    process and replayed from the cache, compile forbidden, in another: same outcome for every sample."""
+    sweep = os.path.join(os.path.dirname(os.path.dirname(__file__)), "opinfo", "sweep.py")
+    outcomes = {}
+    for mode in ("read-write", "strict"):
+        out = tmp_path / f"{mode}.json"
+        env = workload_env(tmp_path / "cache", TPUCOMPILE_CACHE_MODE=mode, TPUCOMPILE_FALLBACK="error")
+        done = subprocess.run([sys.executable, sweep, "--max-samples", "1", "--json", str(out), "--quiet"],
+                              capture_output=True, text=True, env=env, timeout=1200)
+        assert done.returncode == 0, f"{mode} sweep: exit code {done.returncode}\n{done.stderr[-3000:]}"
+        outcomes[mode] = {(r["op"], r["index"]): r["outcome"] for r in json.loads(out.read_text())}
+    cold, warm = outcomes["read-write"], outcomes["strict"]
+    assert sum(outcome == "pass" for outcome in cold.values()) > 500
+    changed = {sample: (cold[sample], warm.get(sample)) for sample in cold if warm.get(sample) != cold[sample]}
+    assert not changed, changed
