@@ -51,7 +51,14 @@ from tpucompile.config import Options, parse_size
 from tpucompile.errors import CacheMissError, UnsupportedOpError
 from tpucompile.lowering import LoweredProgram, OutputSlot, ShapeBindings, TensorSpec, jax_bridge, lower_graph
 from tpucompile.lowering.context import mlir_context
-from tpucompile.runtime import Target, build_flags, compile_module, compile_options, compile_options_fingerprint
+from tpucompile.runtime import (
+    Target,
+    build_flags,
+    compile_module,
+    compile_options,
+    compile_options_fingerprint,
+    kernel_choice,
+)
 from tpucompile.runtime.compile_only import TargetCompileError, compile_for
 from tpucompile.runtime.custom_calls import prepare as prepare_custom_calls
 from tpucompile.runtime.custom_calls import targets_of as custom_call_targets
@@ -128,9 +135,11 @@ def executable_cache() -> MemoryStore[Any]:
 
 
 def clear_memory() -> None:
-    """Forget every loaded executable and lowered program of this process (tests, benchmarks)."""
+    """Forget every loaded executable, lowered program and host-kernel choice of this process (tests,
+    benchmarks)."""
     _executables.clear()
     _programs.clear()
+    _host_op_choices.clear()
     _plans.clear()
 
 
@@ -361,14 +370,31 @@ class LoadedExecutable:
     """For a persistent hit: the recorded compile time minus the time spent loading."""
 
 
-def executable_components(program: LoweredProgram, program_sha256: str, target: Target) -> dict[str, Any]:
+def executable_components(
+    program: LoweredProgram, program_sha256: str, target: Target, options: Options
+) -> dict[str, Any]:
     return executable_key_components(
         program_sha256,
         [_spec_json(s) for s in program.input_specs],
         [_spec_json(s) for s in program.result_specs],
         compile_options_fingerprint(compile_options(target)),
         environment(target),
+        _host_ops(program, program_sha256, target, options.host_kernels),
     )
+
+
+_host_op_choices: dict[tuple[str, int, str], tuple[str, ...]] = {}
+
+
+def _host_ops(program: LoweredProgram, program_sha256: str, target: Target, mode: str) -> tuple[str, ...]:
+    """The ops of ``program`` that call the host kernels on ``target`` (``kernel_choice``), once per process."""
+    if target.host_blas is None or mode == "off":
+        return ()
+    memo = (program_sha256, id(target), mode)
+    found = _host_op_choices.get(memo)
+    if found is None:
+        found = _host_op_choices[memo] = kernel_choice.chosen_ops(program.bytecode(), target, mode)
+    return found
 
 
 def load_executable(
@@ -376,7 +402,7 @@ def load_executable(
 ) -> LoadedExecutable:
     """The loaded executable of ``program``: from memory, the local directory or the remote, or compiled
     now (by one process at a time per key) and published."""
-    components = executable_components(program, program_sha256, target)
+    components = executable_components(program, program_sha256, target, options)
     key = cache_key(components)
     start = time.perf_counter()
     loaded = _executables.get(key)
@@ -443,7 +469,7 @@ def _compile(
     start: float,
 ) -> LoadedExecutable:
     compile_start = time.perf_counter()
-    loaded = compile_module(program.bytecode(), target)
+    loaded = compile_module(program.bytecode(), target, host_ops=components["host_ops"])
     compile_seconds = time.perf_counter() - compile_start
     _executables.put(key, loaded)
     if cache is not None:
@@ -548,7 +574,7 @@ def compile_for_target(
     """The executable of ``program`` for compile-only ``target``, from the cache or compiled now and stored
     under the key a host of that target computes for it. ``keep_executable`` compiles even on a hit, so that
     the caller can read the optimised HLO (the executable cannot be loaded here)."""
-    components = executable_components(program, program_sha256, target)
+    components = executable_components(program, program_sha256, target, options)
     key = cache_key(components)
     start = time.perf_counter()
     cache = persistent_cache(options)

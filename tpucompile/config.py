@@ -47,6 +47,10 @@ class Options:
     """What to do with an op or dtype tpucompile cannot lower: "eager" runs it in PyTorch between compiled
     regions (with one warning per op), "error" raises ``UnsupportedOpError``."""
 
+    host_kernels: str = "auto"
+    """Which matrix products and f32 convolutions of CPU programs call the host BLAS kernels instead of XLA's
+    own: "auto" (each op where it was measured faster on this machine), "on" (every op they take), "off"."""
+
     cache_dir: str | None = None
     """Directory of the persistent compile cache; None means ``$XDG_CACHE_HOME/tpucompile`` or
     ``~/.cache/tpucompile``."""
@@ -113,7 +117,8 @@ class Options:
         return cls(**values)
 
 
-_CHOICES = {"fallback": ("eager", "error"), "cache_mode": ("read-write", "read-only", "off", "strict")}
+_CHOICES = {"fallback": ("eager", "error"), "host_kernels": ("auto", "on", "off"),
+            "cache_mode": ("read-write", "read-only", "off", "strict")}
 
 _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
                "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}

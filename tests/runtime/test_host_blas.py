@@ -150,7 +150,7 @@ def test_compiled_models_match_eager_through_the_kernel(targets):
     torch.manual_seed(0)
     eager = torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.GELU(), torch.nn.Linear(48, 8))
     model = copy.deepcopy(eager)
-    compiled = torch.compile(model, backend="tpucompile")
+    compiled = torch.compile(model, backend="tpucompile", options={"host_kernels": "on"})
     x = torch.randn(16, 32, requires_grad=True)
     x_eager = x.detach().clone().requires_grad_()
     compiled(x).square().sum().backward()
@@ -159,7 +159,7 @@ def test_compiled_models_match_eager_through_the_kernel(targets):
     for (name, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-5, msg=name)
     assert_compiles_like_eager(lambda a, b: torch.softmax(a @ b.transpose(-1, -2), -1) @ b,
-                               torch.randn(2, 3, 7, 16), torch.randn(2, 3, 9, 16), grad=True)
+                               torch.randn(2, 3, 7, 16), torch.randn(2, 3, 9, 16), grad=True, host_kernels="on")
 
 
 def test_turning_the_kernels_off_changes_the_executable_key_not_the_results(tmp_path):
@@ -169,7 +169,7 @@ def test_turning_the_kernels_off_changes_the_executable_key_not_the_results(tmp_
         from tpucompile import compile_cache
         from tpucompile.runtime import get_target
         torch.manual_seed(0)
-        f = torch.compile(lambda a, b: (a @ b).relu(), backend="tpucompile")
+        f = torch.compile(lambda a, b: (a @ b).relu(), backend="tpucompile", options={"host_kernels": "on"})
         out = f(torch.randn(8, 16), torch.randn(16, 4))
         print(json.dumps({"host_blas": compile_cache.environment(get_target())["host_blas"],
                           "out": out.tolist()}))
@@ -204,7 +204,7 @@ def test_products_run_on_the_callers_thread_leave_its_blas_threads_alone(tmp_pat
             calls.append(threading.current_thread() is threading.main_thread())
             return 0
         library.tpucompile_host_blas_threads(ctypes.cast(recording_setter, ctypes.c_void_p))
-        f = torch.compile(lambda a, b, c: torch.tanh(a @ b) @ c, backend="tpucompile")
+        f = torch.compile(lambda a, b, c: torch.tanh(a @ b) @ c, backend="tpucompile", options={"host_kernels": "on"})
         for m in (8, 256):  # below and above the size at which the BLAS forks threads
             a, b, c = torch.randn(m, 256), torch.randn(256, 512) / 16, torch.randn(512, 128) / 16
             torch.testing.assert_close(f(a, b, c), torch.tanh(a @ b) @ c, atol=1e-4, rtol=1e-4)

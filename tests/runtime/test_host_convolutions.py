@@ -58,7 +58,7 @@ def test_convolutions_and_gradients_match_pytorch(target, name, make, shape, cal
     remove = driver.add_observer(lambda event: programs.append(optimized_hlo(event.executable)))
     try:
         torch._dynamo.reset()
-        y = torch.compile(model, backend="tpucompile")(x)
+        y = torch.compile(model, backend="tpucompile", options={"host_kernels": "on"})(x)
         gy = torch.randn_like(y)
         y.backward(gy)
     finally:
@@ -146,7 +146,7 @@ def test_turning_the_convolutions_off_changes_the_executable_key_not_the_results
         from tpucompile.runtime import get_target
         torch.manual_seed(0)
         conv = torch.nn.Conv2d(3, 4, 3, padding=1)
-        out = torch.compile(conv, backend="tpucompile")(torch.randn(2, 3, 16, 16))
+        out = torch.compile(conv, backend="tpucompile", options={"host_kernels": "on"})(torch.randn(2, 3, 16, 16))
         print(json.dumps({"host_blas": compile_cache.environment(get_target())["host_blas"],
                           "out": out.flatten().tolist()}))
     """)

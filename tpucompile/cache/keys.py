@@ -67,12 +67,14 @@ def executable_key_components(
     outputs: Sequence[tuple[str, Sequence[int]]],
     compile_options: bytes,
     environment: Mapping[str, Any],
+    host_ops: Sequence[str] = (),
 ) -> dict[str, Any]:
     """Components of a StableHLO → executable key.
 
     ``program`` is the module text without locations (or its SHA-256), ``inputs``/``outputs`` the
     signature as (dtype, shape) pairs, ``compile_options`` the serialised options with debug fields
-    cleared, ``environment`` the values named in ``ENVIRONMENT_COMPONENTS``.
+    cleared, ``environment`` the values named in ``ENVIRONMENT_COMPONENTS``, ``host_ops`` the signatures of the
+    ops compiled as calls of the host kernels (the rest is XLA's own code).
     """
     return {
         "kind": "executable",
@@ -80,6 +82,7 @@ def executable_key_components(
         "inputs": [[dtype, list(shape)] for dtype, shape in inputs],
         "outputs": [[dtype, list(shape)] for dtype, shape in outputs],
         "compile_options": digest(compile_options),
+        "host_ops": sorted(host_ops),
         **{name: environment[name] for name in ENVIRONMENT_COMPONENTS},
     }
 

@@ -2,34 +2,32 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from jaxlib import xla_client
 
 from tpucompile.errors import CompileError
-from tpucompile.runtime.host_convolutions import CONVOLUTION_REPLACEMENTS
-from tpucompile.runtime.host_dots import dot_replacements
-from tpucompile.runtime.mlir_walk import rewrite_each
+from tpucompile.runtime import kernel_choice
 from tpucompile.runtime.target import Target, compile_options
 
 
-def compile_module(module: bytes | str, target: Target, num_partitions: int | None = None) -> object:
+def compile_module(module: bytes | str, target: Target, num_partitions: int | None = None,
+                   host_ops: Iterable[str] | None = None) -> object:
     """Compile StableHLO (MLIR bytecode or text) for ``target`` and load it on its devices (one partition per
-    device unless ``num_partitions`` says otherwise)."""
-    module = for_target(module, target)
+    device unless ``num_partitions`` says otherwise). ``host_ops``: the signatures of the ops that call the host
+    kernels (``kernel_choice.chosen_ops``); None sends every op they take."""
+    module = for_target(module, target, host_ops)
     try:
         return target.client.compile_and_load(module, target.device_list(), compile_options(target, num_partitions))
     except Exception as error:  # XlaRuntimeError and friends: keep XLA's words, say whose they are
         raise CompileError(f"XLA failed to compile the lowered program for {target.platform}: {error}") from error
 
 
-def for_target(module: bytes | str, target: Target) -> bytes | str:
-    """``module`` as ``target`` compiles it: on one CPU device with host BLAS kernels, its matrix products and
-    f32 convolutions call them (``host_dots``, ``host_convolutions``); otherwise unchanged."""
-    if target.host_blas is None or len(target.devices) != 1:
-        return module
-    replacements = dot_replacements(target.host_blas.dtypes)
-    if target.host_blas.convolutions:
-        replacements.update(CONVOLUTION_REPLACEMENTS)
-    return rewrite_each(module, replacements)
+def for_target(module: bytes | str, target: Target, host_ops: Iterable[str] | None = None) -> bytes | str:
+    """``module`` as ``target`` compiles it: on one CPU device with host kernels, the matrix products and f32
+    convolutions named by ``host_ops`` (all they take when None) call them (``kernel_choice``); otherwise
+    unchanged."""
+    return kernel_choice.apply(module, target, host_ops)
 
 
 def unoptimized_hlo(module: bytes | str) -> str:

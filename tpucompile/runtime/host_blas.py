@@ -136,7 +136,7 @@ def _build(source: bytes) -> pathlib.Path:
     if shutil.which(compiler) is None:
         raise _Unavailable(f"no C compiler ({compiler!r} is not on PATH)")
     key = hashlib.sha256(source + jaxlib.__version__.encode() + compiler.encode()).hexdigest()[:24]
-    directory = _build_root() / key
+    directory = build_root() / key
     library = directory / "libtpucompile_host_blas.so"
     if library.exists():
         return library
@@ -158,7 +158,7 @@ def _build(source: bytes) -> pathlib.Path:
     return library
 
 
-def _build_root() -> pathlib.Path:
+def build_root() -> pathlib.Path:
     """``$TPUCOMPILE_BUILD_DIR``, else ``$XDG_CACHE_HOME/tpucompile/build`` or ``~/.cache/tpucompile/build``."""
     explicit = os.environ.get("TPUCOMPILE_BUILD_DIR")
     if explicit:

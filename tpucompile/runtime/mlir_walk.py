@@ -23,20 +23,29 @@ def walk_operations(operation: Any) -> Iterator[Any]:
                 yield from walk_operations(op.operation)
 
 
-def rewrite_each(module: bytes | str, replacements: dict[str, Callable[[Any], bool]]) -> bytes | str:
+def context() -> ir.Context:
+    """This thread's MLIR context with every dialect the rewrites meet (ops of one module must share one)."""
+    found = getattr(_local, "context", None)
+    if found is None:
+        found = _local.context = jax_mlir.make_ir_context()
+    return found
+
+
+def rewrite_each(module: bytes | str, replacements: dict[str, Callable[[Any], bool]],
+                 select: Callable[[Any], bool] | None = None) -> bytes | str:
     """``module`` (text or bytecode) after each of its operations named in ``replacements`` (e.g.
     ``stablehlo.convolution``) has been handed to that name's function, which returns whether it rewrote it;
-    unchanged (the same object) when none was. One parse and one serialisation serve every kind, and the module
+    unchanged (the same object) when none was. ``select``, when given, picks the operations to hand over; it
+    sees every one before any is rewritten. One parse and one serialisation serve every kind, and the module
     is parsed only when its text or bytecode mentions one of them."""
     markers = [name.split(".")[-1] for name in replacements]
     if not any((m if isinstance(module, str) else m.encode()) in module for m in markers):
         return module
-    context = getattr(_local, "context", None)
-    if context is None:
-        context = _local.context = jax_mlir.make_ir_context()
-    with context, ir.Location.unknown():
+    with context(), ir.Location.unknown():
         parsed = ir.Module.parse(module)
         found = [op for op in walk_operations(parsed.operation) if op.name in replacements]
+        if select is not None:
+            found = [op for op in found if select(op)]
         if not sum(replacements[op.name](op) for op in found):
             return module
         stream = io.BytesIO()

@@ -1,0 +1,116 @@
+"""The per-op choice between the host kernels and XLA's own dots and convolutions: measured once per machine,
+stored, part of the executable key, and never a change in results."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from cache_helpers import fresh_start
+
+from tpucompile import driver
+from tpucompile.runtime import kernel_choice, optimized_hlo
+from tpucompile.runtime.host_blas import CONV_TARGET_NAME, TARGET_NAME, kernels
+
+pytestmark = pytest.mark.skipif(kernels() is None, reason="the host kernels cannot be built here")
+
+
+def model(x, w, k):
+    return torch.nn.functional.conv2d(torch.tanh(x @ w), k, padding=1).sum(1)
+
+
+def _inputs():
+    generator = torch.Generator().manual_seed(0)
+    return (torch.randn(2, 3, 20, 16, generator=generator), torch.randn(16, 20, generator=generator),
+            torch.randn(4, 3, 3, 3, generator=generator))
+
+
+def _compile(mode: str):
+    """(result, events) of ``model`` compiled fresh with ``host_kernels=mode``."""
+    with fresh_start() as events:
+        result = torch.compile(model, backend="tpucompile", options={"host_kernels": mode})(*_inputs())
+    return result, events
+
+
+@pytest.fixture
+def decisions(tmp_path, monkeypatch):
+    """A fresh decision file (and cache) for the test, with the timing replaced by ``timings``' verdict."""
+    monkeypatch.setenv("TPUCOMPILE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(kernel_choice, "_decisions", lambda: store)
+    store = kernel_choice._Decisions(tmp_path / "choices.json")
+    timings = {"host_faster": True, "calls": 0}
+
+    def fake_time_both(xla_program, host_program, target):
+        timings["calls"] += 1
+        return (2e-3, 1e-3) if timings["host_faster"] else (1e-3, 1e-3)
+
+    monkeypatch.setattr(kernel_choice, "time_both", fake_time_both)
+    return store, timings
+
+
+def _host_calls(events) -> int:
+    hlo = "".join(optimized_hlo(e.executable) for e in events)
+    return hlo.count(f'custom_call_target="{TARGET_NAME}"') + hlo.count(f'custom_call_target="{CONV_TARGET_NAME}"')
+
+
+@pytest.mark.parametrize("host_faster", [True, False])
+def test_auto_sends_an_op_to_the_host_kernel_only_where_it_was_measured_faster(decisions, host_faster):
+    store, timings = decisions
+    timings["host_faster"] = host_faster
+    result, events = _compile("auto")
+    torch.testing.assert_close(result, model(*_inputs()), rtol=1e-4, atol=1e-4)
+    assert timings["calls"] == 2, "the dot and the convolution are timed once each"
+    assert _host_calls(events) == (2 if host_faster else 0)
+    (event,) = events
+    assert len(event.key_components["host_ops"]) == (2 if host_faster else 0)
+    stored = json.loads(store.path.read_text())
+    assert sorted(stored) == sorted(kernel_choice.chosen_ops(event.program.bytecode(), _target(), "on"))
+    assert all(d["host"] is host_faster for d in stored.values())
+
+
+def test_decisions_are_reused_and_the_choice_is_part_of_the_key(decisions):
+    store, timings = decisions
+    _, (first,) = _compile("auto")
+    _, (again,) = _compile("auto")
+    assert timings["calls"] == 2 and again.tier == "local" and again.key == first.key
+    # another process of this machine reads the stored decisions instead of timing again
+    assert kernel_choice._Decisions(store.path).known == store.known
+    _, (off,) = _compile("off")
+    _, (on,) = _compile("on")
+    assert off.key_components["host_ops"] == [] and _host_calls([off]) == 0
+    assert on.key_components["host_ops"] == first.key_components["host_ops"]
+    assert off.key != first.key and on.key == first.key
+
+
+def test_every_mode_gives_the_same_results():
+    results = {mode: _compile(mode)[0] for mode in ("off", "on", "auto")}
+    torch.testing.assert_close(results["on"], results["off"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(results["auto"], results["off"], rtol=1e-5, atol=1e-5)
+
+
+def test_timing_compares_the_two_programs_of_one_op():
+    """The real timing of a product both ways gives two positive medians (their ratio is the machine's)."""
+    from jax.extend.mlir import ir
+
+    from tpucompile.runtime.mlir_walk import context, walk_operations
+
+    text = """func.func public @main(%a: tensor<64x32xf32>, %b: tensor<48x32xf32>) -> tensor<64x48xf32> {
+      %t = stablehlo.transpose %b, dims = [1, 0] : (tensor<48x32xf32>) -> tensor<32x48xf32>
+      %0 = stablehlo.dot_general %a, %t, contracting_dims = [1] x [0] : (tensor<64x32xf32>, tensor<32x48xf32>)
+             -> tensor<64x48xf32>
+      return %0 : tensor<64x48xf32>
+    }"""
+    with context(), ir.Location.unknown():
+        module = ir.Module.parse(text)
+        (dot,) = [op for op in walk_operations(module.operation) if op.name == "stablehlo.dot_general"]
+        micro = kernel_choice.micro_program(dot)
+    assert "stablehlo.transpose" in micro, "the transpose the kernel reads through is part of the op"
+    host = kernel_choice.apply(micro, _target(), None)
+    assert TARGET_NAME.encode() in host if isinstance(host, bytes) else TARGET_NAME in host
+    xla_seconds, host_seconds = kernel_choice.time_both(micro, host, _target())
+    assert 0 < xla_seconds < 0.1 and 0 < host_seconds < 0.1
+
+
+def _target():
+    return driver.get_target(None)

@@ -1,0 +1,283 @@
+"""Which matrix products and convolutions of a CPU program go to the host kernels: decided per op by timing.
+
+The host kernels (``host_dots``, ``host_convolutions``) beat XLA's own dots and convolutions on some shapes
+and lose on others, and where the line falls depends on the machine: its cores, its BLAS, the threads torch
+and XLA keep busy. So, as Inductor's autotuner does, each distinct op is timed both ways on this machine the
+first time a program holding it is compiled, and goes to the host kernel only where that is measurably faster.
+
+An op is identified by its *micro-program*: a one-op StableHLO function holding the op and the chain of
+transposes its operands are read through (what the kernel's rewrite looks at), printed without locations.
+That text, hashed together with what describes the machine (``_machine``), is the op's signature. A decision
+is stored per signature in a small JSON file in the host kernels' build directory (per machine, like the
+compiled library), so it is measured once per machine, not once per process. The signatures a program's
+host-kernel calls carry are part of its executable cache key: a program compiled with other choices is
+another executable.
+
+Modes (option ``host_kernels``): "auto" measures, "on" sends every op the kernels take (the kernels' own
+tests and benchmarks), "off" keeps XLA's ops everywhere.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import json
+import logging
+import os
+import pathlib
+import statistics
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import filelock
+import jax
+import numpy as np
+from jax.extend.mlir import ir
+from jax.extend.mlir.dialects import func
+
+from tpucompile.runtime import host_blas
+from tpucompile.runtime.host_convolutions import CONVOLUTION_REPLACEMENTS
+from tpucompile.runtime.host_dots import dot_replacements
+from tpucompile.runtime.mlir_walk import context, rewrite_each, walk_operations
+
+log = logging.getLogger("tpucompile")
+
+MODES = ("auto", "on", "off")
+
+WIN_RATIO = 0.95
+"""The host kernel is chosen only where its median time is at most this fraction of XLA's: a choice inside
+the timing noise would be a coin toss, and the host kernel must never be the slower one."""
+_ROUNDS = 5
+"""Alternating rounds of timed calls per variant (drift hits both alike)."""
+_ROUND_SECONDS = 0.004
+"""Each round times calls until this long has passed (at least one call)."""
+
+def host_replacements(kernels: host_blas.HostBlas) -> dict[str, Callable[[Any], bool]]:
+    """The rewrites of every op kind the host ``kernels`` take (for ``mlir_walk.rewrite_each``)."""
+    replacements = dot_replacements(kernels.dtypes)
+    if kernels.convolutions:
+        replacements.update(CONVOLUTION_REPLACEMENTS)
+    return replacements
+
+
+def chosen_ops(module: bytes | str, target: Any, mode: str) -> tuple[str, ...]:
+    """The sorted signatures of ``module``'s ops that call the host kernels when compiled for ``target``: every
+    op they take ("on"), the ones measured faster there ("auto"), or none ("off", or no kernels)."""
+    kernels = target.host_blas
+    if mode == "off" or kernels is None or len(target.devices) != 1:
+        return ()
+    replacements = host_replacements(kernels)
+    markers = [name.split(".")[-1] for name in replacements]
+    if not any((m if isinstance(module, str) else m.encode()) in module for m in markers):
+        return ()
+    chosen = set()
+    with context(), ir.Location.unknown():
+        parsed = ir.Module.parse(module)
+        for op in walk_operations(parsed.operation):
+            if op.name not in replacements:
+                continue
+            micro = micro_program(op)
+            host = rewrite_each(micro, replacements)
+            if host is micro:  # the kernels do not take this op
+                continue
+            sign = signature(micro)
+            if mode == "on" or _decisions().host_is_faster(sign, micro, host, target):
+                chosen.add(sign)
+    return tuple(sorted(chosen))
+
+
+def apply(module: bytes | str, target: Any, chosen: Iterable[str] | None) -> bytes | str:
+    """``module`` with the ops whose signatures are in ``chosen`` calling the host kernels (every op they take
+    when ``chosen`` is None); unchanged (the same object) when none is rewritten."""
+    kernels = target.host_blas
+    if kernels is None or len(target.devices) != 1:
+        return module
+    select = None
+    if chosen is not None:
+        wanted = frozenset(chosen)
+        if not wanted:
+            return module
+        select = lambda op: signature(micro_program(op)) in wanted  # noqa: E731
+    return rewrite_each(module, host_replacements(kernels), select)
+
+
+def micro_program(op: Any) -> str:
+    """The one-op program that stands for ``op``: its operands (read through the transposes that define them)
+    become arguments, and it returns the op's results; printed without locations."""
+    chain: list[Any] = []
+    arguments: list[Any] = []
+
+    def leaves(value: Any) -> None:
+        owner = value.owner
+        if not isinstance(owner, ir.Block) and owner.operation.name == "stablehlo.transpose":
+            leaves(owner.operands[0])
+            chain.append(owner.operation)
+        elif not any(value == known for known in arguments):
+            arguments.append(value)
+
+    for operand in op.operands:
+        leaves(operand)
+    with context(), ir.Location.unknown():
+        module = ir.Module.create()
+        with ir.InsertionPoint(module.body):
+            function = func.FuncOp("main", ir.FunctionType.get([a.type for a in arguments],
+                                                                [r.type for r in op.results]))
+            function.attributes["sym_visibility"] = ir.StringAttr.get("public")
+            block = function.add_entry_block()
+            mapping = list(zip(arguments, block.arguments, strict=True))
+            with ir.InsertionPoint(block):
+                for original in [*chain, op]:
+                    copy = original.clone()
+                    for index, operand in enumerate(original.operands):
+                        copy.operands[index] = _mapped(mapping, operand)
+                    mapping.extend(zip(original.results, copy.results, strict=True))
+                func.ReturnOp([_mapped(mapping, r) for r in op.results])
+        return module.operation.get_asm(enable_debug_info=False)
+
+
+def _mapped(mapping: list[tuple[Any, Any]], value: Any) -> Any:
+    for original, copy in mapping:
+        if original == value:
+            return copy
+    raise AssertionError("an operand of the micro-program has no value")
+
+
+def signature(micro: str) -> str:
+    """The short digest identifying a micro-program on this machine."""
+    return hashlib.sha256((_machine() + "\n" + micro).encode()).hexdigest()[:24]
+
+
+@functools.cache
+def _machine() -> str:
+    """What decides a timing besides the op: the kernels' code and BLAS, the processor, the cores this process
+    may use, torch's thread count (the BLAS's team on the calling thread) and XLA's flags."""
+    import torch
+
+    kernels = host_blas.kernels()
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count() or 1
+    model = ""
+    with contextlib.suppress(OSError):
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    return json.dumps({"kernels": kernels.fingerprint if kernels else None, "cpu": model, "cores": cores,
+                       "torch_threads": torch.get_num_threads(), "xla_flags": os.environ.get("XLA_FLAGS", "")})
+
+
+class _Decisions:
+    """Measured decisions by signature: in memory, and in a JSON file per machine shared by its processes."""
+
+    def __init__(self, path: pathlib.Path) -> None:
+        self.path = path
+        self.known: dict[str, dict[str, Any]] = self._read()
+        self.lock = threading.Lock()
+
+    def host_is_faster(self, sign: str, xla_program: str, host_program: str, target: Any) -> bool:
+        with self.lock:
+            found = self.known.get(sign)
+            if found is None:
+                found = self._measure(sign, xla_program, host_program, target)
+            return bool(found["host"])
+
+    def _measure(self, sign: str, xla_program: str, host_program: str, target: Any) -> dict[str, Any]:
+        """Time the op both ways, one process of the machine at a time: the others wait and take its decision
+        (so processes compiling the same program agree on it, and on its key), and no timing runs beside
+        another timing."""
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            lock = filelock.FileLock(str(self.path) + ".lock", timeout=600)
+        except OSError:
+            lock = contextlib.nullcontext()
+        with lock:
+            self.known.update(self._read())
+            found = self.known.get(sign)
+            if found is not None:
+                return found
+            xla_seconds, host_seconds = time_both(xla_program, host_program, target)
+            found = {"xla_us": round(xla_seconds * 1e6, 2), "host_us": round(host_seconds * 1e6, 2),
+                     "host": host_seconds <= WIN_RATIO * xla_seconds}
+            self.known[sign] = found
+            self._write(sign, found)
+        log.debug("tpucompile: host kernel %s for op %s (%.0f us against XLA's %.0f us)",
+                  "chosen" if found["host"] else "declined", sign, found["host_us"], found["xla_us"])
+        return found
+
+    def _read(self) -> dict[str, dict[str, Any]]:
+        try:
+            data = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return {}
+        return {k: v for k, v in data.items() if isinstance(v, dict) and isinstance(v.get("host"), bool)}
+
+    def _write(self, sign: str, decision: dict[str, Any]) -> None:
+        """Merge one decision into the file (under the lock; replaced atomically, so a reader never sees half
+        a file)."""
+        try:
+            merged = {**self._read(), sign: decision}
+            handle, partial = tempfile.mkstemp(dir=self.path.parent, suffix=".partial")
+            with os.fdopen(handle, "w") as stream:
+                json.dump(merged, stream, sort_keys=True)
+            os.replace(partial, self.path)
+        except OSError as error:
+            log.debug("tpucompile: host kernel decisions not saved: %s", error)
+
+
+@functools.cache
+def _decisions() -> _Decisions:
+    digest = hashlib.sha256(_machine().encode()).hexdigest()[:16]
+    return _Decisions(host_blas.build_root() / "kernel_choices" / f"{digest}.json")
+
+
+def time_both(xla_program: str, host_program: str, target: Any) -> tuple[float, float]:
+    """Median seconds per call of the two programs on ``target``, timed in alternating rounds on the same
+    random inputs."""
+    from tpucompile.runtime.target import compile_options
+
+    options = compile_options(target)
+    programs = [target.client.compile_and_load(p, target.device_list(), options) for p in (xla_program, host_program)]
+    with context():
+        function = ir.Module.parse(xla_program).body.operations[0]
+        types = [ir.RankedTensorType(t) for t in ir.TypeAttr(function.attributes["function_type"]).value.inputs]
+    rng = np.random.default_rng(0)
+    inputs = [jax.device_put(_random(rng, t), target.device) for t in types]
+    samples: list[list[float]] = [[], []]
+    for program in programs:  # a first untimed call of each
+        _run(program, inputs)
+    for _ in range(_ROUNDS):
+        for index, program in enumerate(programs):
+            calls, start = 0, time.perf_counter()
+            while True:
+                _run(program, inputs)
+                calls += 1
+                elapsed = time.perf_counter() - start
+                if elapsed >= _ROUND_SECONDS:
+                    break
+            samples[index].append(elapsed / calls)
+    return statistics.median(samples[0]), statistics.median(samples[1])
+
+
+def _run(program: Any, inputs: list[Any]) -> None:
+    results = program.execute_sharded(inputs).disassemble_into_single_device_arrays()
+    for result in results:
+        result[0].block_until_ready()
+
+
+_NUMPY_TYPES = {"f32": np.float32, "f64": np.float64, "f16": np.float16}
+
+
+def _random(rng: np.random.Generator, tensor_type: Any) -> np.ndarray:
+    name = str(tensor_type.element_type)
+    shape = list(tensor_type.shape)
+    if name == "bf16":
+        import ml_dtypes
+
+        return rng.standard_normal(shape, dtype=np.float32).astype(ml_dtypes.bfloat16)
+    return rng.standard_normal(shape).astype(_NUMPY_TYPES.get(name, np.float32))
