@@ -1,4 +1,5 @@
-"""The benchmarked workloads: every example model, its CPU-sized config, a batch and a training loss.
+"""The benchmarked workloads: every example model at its CPU-sized config and at sizes people run, a batch and
+a training loss.
 
 Each workload builds a fresh, seeded model and batch, so that every backend in every process measures the
 same numbers on the same values.
@@ -47,6 +48,17 @@ def gpt(device: str) -> Workload:
     return Workload(model, (idx,), lambda net: net(idx, targets))
 
 
+def gpt_384(device: str) -> Workload:
+    """A size people train: 4 blocks of width 384 (6 heads) on 8 sequences of 256 tokens."""
+    from mingpt import GPT, GPTConfig
+
+    config = GPTConfig(block_size=256, n_layer=4, n_head=6, n_embd=384)
+    model = GPT(config).to(device)
+    idx = _on(device, torch.randint(0, config.vocab_size, (8, config.block_size)))
+    targets = _on(device, torch.randint(0, config.vocab_size, (8, config.block_size)))
+    return Workload(model, (idx,), lambda net: net(idx, targets))
+
+
 def llama(device: str) -> Workload:
     from llama import Llama, LlamaConfig
 
@@ -71,9 +83,26 @@ def resnet(device: str) -> Workload:
     from resnet import ResNet, ResNetConfig
 
     config = ResNetConfig()
-    model = ResNet(config).to(device)
-    images = _on(device, torch.randn(8, config.in_channels, config.image_size, config.image_size))
-    labels = _on(device, torch.randint(0, config.num_classes, (8,)))
+    return _images(ResNet(config), config, device)
+
+
+def resnet18(device: str) -> Workload:
+    from resnet import RESNET_18, ResNet
+
+    return _images(ResNet(RESNET_18), RESNET_18, device)
+
+
+def densenet121(device: str) -> Workload:
+    from densenet import DENSENET_121, DenseNet
+
+    return _images(DenseNet(DENSENET_121), DENSENET_121, device)
+
+
+def _images(model: nn.Module, config, device: str, batch: int = 8) -> Workload:
+    """An image classifier's workload: a batch of random images and labels, cross-entropy."""
+    model = model.to(device)
+    images = _on(device, torch.randn(batch, config.in_channels, config.image_size, config.image_size))
+    labels = _on(device, torch.randint(0, config.num_classes, (batch,)))
     return Workload(model, (images,), lambda net: F.cross_entropy(net(images), labels), eval_for_inference=True)
 
 
@@ -99,7 +128,9 @@ def dlrm(device: str) -> Workload:
 
 WORKLOADS: dict[str, Callable[[], Workload]] = {
     "mlp": mlp, "gpt": gpt, "llama": llama, "qwen": qwen, "resnet": resnet, "unet": unet, "dlrm": dlrm,
+    "gpt-384": gpt_384, "resnet18": resnet18, "densenet121": densenet121,
 }
+"""The examples' small configs, then sizes people run (``gpt-384``, ``resnet18``, ``densenet121``)."""
 
 
 def build(name: str, device: str = "cpu") -> Workload:

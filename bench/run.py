@@ -1,6 +1,6 @@
 """Step time, compile time, warm start and memory of every example model: eager vs Inductor vs tpucompile.
 
-    python bench/run.py [--quick] [--models gpt,llama] [--backends eager,inductor,tpucompile]
+    python bench/run.py [--quick] [--models gpt,llama] [--backends eager,inductor,tpucompile,tpucompile-xla]
                         [--modes inference,train] [--rounds N] [--out docs/benchmarks]
 
 Every cell runs in fresh Python processes with its own empty cache directories:
@@ -38,7 +38,10 @@ import time
 
 _START = time.perf_counter()
 HERE = pathlib.Path(__file__).resolve().parent
-BACKENDS = ("eager", "inductor", "tpucompile")
+BACKENDS = ("eager", "inductor", "tpucompile", "tpucompile-xla")
+BACKEND_ENV = {"tpucompile-xla": {"TPUCOMPILE_HOST_KERNELS": "off"}}
+"""tpucompile-xla is tpucompile with XLA's own dots and convolutions only (no host kernels): beside tpucompile
+in the same run, it shows what the host kernels' per-op choice gains or loses on each workload."""
 MODES = ("inference", "train")
 
 
@@ -62,7 +65,7 @@ def child(args: argparse.Namespace) -> None:
     if args.mode == "inference" and workload.eval_for_inference:
         model.eval()
     backend: object = args.backend
-    if backend == "tpucompile":  # by object, so that a checkout run without `pip install` works too
+    if args.backend.startswith("tpucompile"):  # by object, so that a checkout without `pip install` works too
         from tpucompile.backend import tpucompile_backend as backend
     run = model if args.backend == "eager" else torch.compile(model, backend=backend)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
@@ -154,7 +157,8 @@ def run_cells(model: str, mode: str, order: list[str], folder: pathlib.Path, arg
     base = {k: v for k, v in os.environ.items()
             if not k.startswith(("TPUCOMPILE_", "TORCHINDUCTOR_")) or k == "TPUCOMPILE_BUILD_DIR"}
     envs = {backend: {**base, "TPUCOMPILE_CACHE_DIR": str(folder / f"{model}-{mode}-{backend}" / "tpucompile"),
-                      "TORCHINDUCTOR_CACHE_DIR": str(folder / f"{model}-{mode}-{backend}" / "inductor")}
+                      "TORCHINDUCTOR_CACHE_DIR": str(folder / f"{model}-{mode}-{backend}" / "inductor"),
+                      **BACKEND_ENV.get(backend, {})}
             for backend in order}
     cells: dict[str, dict] = {}
     for backend in order:
@@ -231,6 +235,15 @@ def table(results: dict, backends: list[str], modes: list[str], models: list[str
         lines.append(f"| {backend} | {mode} | {geomean(values):.2f}x | {len(values)} |")
     if not speedups:
         lines.append("| - | - | (eager was not run: no speedups) | - |")
+    if {"tpucompile", "tpucompile-xla"} <= set(backends):
+        lines += ["", "| model | mode | tpucompile / tpucompile-xla step time (host kernels' effect; < 1 is a gain) |",
+                  "|---|---|---:|"]
+        for model in models:
+            for mode in modes:
+                with_kernels = results.get(f"{model}/{mode}/tpucompile", {})
+                without = results.get(f"{model}/{mode}/tpucompile-xla", {})
+                if "step_ms" in with_kernels and "step_ms" in without:
+                    lines.append(f"| {model} | {mode} | {with_kernels['step_ms'] / without['step_ms']:.3f} |")
     return "\n".join(lines)
 
 
@@ -269,6 +282,9 @@ def machine() -> str:
 
 
 def main() -> None:
+    sys.path.insert(0, str(HERE))
+    from models import WORKLOADS
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
@@ -276,7 +292,7 @@ def main() -> None:
     parser.add_argument("--backend", help=argparse.SUPPRESS)
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--quick", action="store_true", help="MLP and GPT only, fewer timed steps")
-    parser.add_argument("--models", help="comma-separated subset of mlp,gpt,llama,qwen,resnet,unet,dlrm")
+    parser.add_argument("--models", help="comma-separated subset of " + ",".join(WORKLOADS))
     parser.add_argument("--backends", default=",".join(BACKENDS))
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--iters", type=int, default=30,
@@ -292,8 +308,6 @@ def main() -> None:
     if args.child:
         child(args)
         return
-    sys.path.insert(0, str(HERE))
-    from models import WORKLOADS
 
     models = args.models.split(",") if args.models else (["mlp", "gpt"] if args.quick else list(WORKLOADS))
     if args.quick:

@@ -24,9 +24,16 @@ class ResNetConfig:
     in_channels: int = 3
     image_size: int = 32
     stem_width: int = 16
+    stem_kernel: int = 3
+    stem_stride: int = 1
     widths: tuple[int, ...] = (16, 32, 64)
     blocks_per_stage: int = 1
     num_classes: int = 10
+
+
+RESNET_18 = ResNetConfig(image_size=64, stem_width=64, stem_kernel=7, stem_stride=2, widths=(64, 128, 256, 512),
+                         blocks_per_stage=2)
+"""ResNet-18's layout (a 7x7/2 stem, four stages of two basic blocks) on 64x64 images."""
 
 
 class BasicBlock(nn.Module):
@@ -57,7 +64,8 @@ class ResNet(nn.Module):
         super().__init__()
         self.config = config
         self.stem = nn.Sequential(
-            nn.Conv2d(config.in_channels, config.stem_width, 3, padding=1, bias=False),
+            nn.Conv2d(config.in_channels, config.stem_width, config.stem_kernel, stride=config.stem_stride,
+                      padding=config.stem_kernel // 2, bias=False),
             nn.BatchNorm2d(config.stem_width),
             nn.ReLU(inplace=True),
             nn.MaxPool2d(kernel_size=3, stride=2, padding=1),

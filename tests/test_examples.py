@@ -34,6 +34,13 @@ EXPECTED_LINES = {
         "inference after the step: max |compiled - eager| = ",
         "step time: eager ",
     ],
+    "densenet.py": [
+        "inference: logits (4, 10), max |compiled - eager| = ",
+        "train step: loss eager ",
+        "train step: max gradient difference = ",
+        "train step: max BatchNorm running-stat difference = ",
+        "step time: eager ",
+    ],
     "unet.py": [
         "inference: logits (4, 4, 32, 32), max |compiled - eager| = ",
         "train step: loss eager ",
