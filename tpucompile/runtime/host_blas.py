@@ -1,14 +1,14 @@
 """Matrix products and convolutions on the CPU through the host's BLAS, called from XLA programs as FFI custom
 calls.
 
-XLA's CPU dot emitter is 2-10x slower than the BLAS torch links (MKL on x86) at the sizes models use: a
-64x256x256 product takes ~140 us in XLA against ~40 us in MKL, and a 32x32x32 one ~55 us against ~3 us. So on
-the CPU, programs hand their dots to ``tpucompile_host_gemm`` (``host_blas.c``), a small XLA FFI handler that
-calls ``sgemm_``/``dgemm_``/``cblas_gemm_bf16bf16f32`` of the BLAS already loaded with torch, and XLA keeps
-everything around them. f32 2-D convolutions go to ``tpucompile_host_conv`` in the same library, which runs
-them as im2col (or col2im) around ``sgemm_``, sharing a convolution's images out over XLA's intra-op pool
-(``host_convolutions`` says which convolutions it takes). Like JAX's LAPACK kernels, the library takes the
-BLAS's addresses at start-up instead of linking it.
+``tpucompile_host_gemm`` (``host_blas.c``) is a small XLA FFI handler that calls ``sgemm_``/``dgemm_``/
+``cblas_gemm_bf16bf16f32`` of the BLAS already loaded with torch, and XLA keeps everything around it.
+``tpucompile_host_conv`` in the same library runs f32 2-D convolutions as im2col (or col2im) around
+``sgemm_``, sharing a convolution's images out over XLA's intra-op pool (``host_convolutions`` says which
+convolutions it can take). Like JAX's LAPACK kernels, the library takes the BLAS's addresses at start-up
+instead of linking it. Whether a given op of a program calls them or stays with XLA's own dot or convolution
+is decided per op by timing both (``kernel_choice``): which is faster depends on the shape, the machine and
+XLA's release.
 
 The handler is compiled from its C source on first use with the system C compiler (``$CC`` or ``cc``) against
 jaxlib's XLA FFI header, into a directory keyed by the source and jaxlib's version, and each kernel is checked

@@ -1,9 +1,8 @@
 """CPU programs: f32 2-D ``stablehlo.convolution`` → a call of the host im2col/col2im + BLAS kernel (``host_blas``).
 
-XLA's CPU convolutions are 1.5-3x slower than im2col followed by one sgemm per image on the large-image,
-few-channel shapes small vision models train with (one compiled 3x3 convolution of 8x16x16x16: 342-404 us
-with XLA's, 242-252 us with the kernel, call overhead included). The lowering (``lowering/rules/convolution.py``)
-emits three forms of convolution, one kernel mode each:
+This module says which convolutions the kernel *can* take and rewrites one; ``kernel_choice`` decides, by
+timing each against XLA's own convolution, which of them it *does* take. The lowering
+(``lowering/rules/convolution.py``) emits three forms of convolution, one kernel mode each:
 
 * mode 0, the forward form: input ``[B, C, H, W]``, kernel ``[O, C, KH, KW]`` or ``[C, O, KH, KW]``, result
   ``[B, O, OH, OW]``, with strides, padding and kernel dilation: im2col, then one product per image;

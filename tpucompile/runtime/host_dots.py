@@ -9,8 +9,9 @@ bitcasts. An operand that is a ``stablehlo.transpose`` is read through it whenev
 ``x @ w.T`` reads ``w`` with the kernel's transpose flag instead of copying it): XLA cannot fold a transpose
 into a custom call as it does into its own dots. Every other dot stays with XLA.
 
-The rewrite happens only when a program is compiled for this process's CPU; the stored StableHLO program
-is not touched, so it stays portable to any target.
+Which qualifying dots are rewritten is decided per dot by timing (``kernel_choice``). The rewrite happens
+only when a program is compiled for this process's CPU; the stored StableHLO program is not touched, so it
+stays portable to any target.
 """
 
 from __future__ import annotations
