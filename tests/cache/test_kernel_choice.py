@@ -43,7 +43,7 @@ def decisions(tmp_path, monkeypatch):
 
     def fake_time_both(xla_program, host_program, target):
         timings["calls"] += 1
-        return (2e-3, 1e-3) if timings["host_faster"] else (1e-3, 1e-3)
+        return ([2e-3] * 3, [1e-3] * 3) if timings["host_faster"] else ([1e-3] * 3, [1e-3] * 3)
 
     monkeypatch.setattr(kernel_choice, "time_both", fake_time_both)
     return store, timings
@@ -108,8 +108,15 @@ def test_timing_compares_the_two_programs_of_one_op():
     assert "stablehlo.transpose" in micro, "the transpose the kernel reads through is part of the op"
     host = kernel_choice.apply(micro, _target(), None)
     assert TARGET_NAME.encode() in host if isinstance(host, bytes) else TARGET_NAME in host
-    xla_seconds, host_seconds = kernel_choice.time_both(micro, host, _target())
-    assert 0 < xla_seconds < 0.1 and 0 < host_seconds < 0.1
+    xla_rounds, host_rounds = kernel_choice.time_both(micro, host, _target())
+    assert len(xla_rounds) == len(host_rounds) == kernel_choice._ROUNDS
+    assert all(0 < seconds < 1 for seconds in xla_rounds + host_rounds)
+
+
+def test_the_host_kernel_wins_only_clearly_and_not_when_it_stalls():
+    assert kernel_choice.host_wins([1.0, 1.0, 1.1], [0.9, 0.9, 0.95])
+    assert not kernel_choice.host_wins([1.0, 1.0, 1.1], [0.97, 0.97, 0.97]), "inside the noise: XLA"
+    assert not kernel_choice.host_wins([1.0, 1.0, 1.1], [0.5, 9.0, 9.0]), "fast at best, stalls in the median"
 
 
 def _target():
