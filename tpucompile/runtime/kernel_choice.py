@@ -37,6 +37,7 @@ import filelock
 import torch
 from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import func
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from tpucompile.runtime import host_blas
 from tpucompile.runtime.host_convolutions import CONVOLUTION_REPLACEMENTS
@@ -211,7 +212,8 @@ class _Decisions:
                 xla_rounds, host_rounds = time_both(xla_program, host_program, target)
             except Exception as error:  # a timing that fails leaves the op with XLA; it never fails a compile
                 log.warning("tpucompile: could not time the host kernel for %s, XLA's op is kept: %s", what, error)
-                return {"op": what, "host": False}
+                self.known[sign] = {"op": what, "host": False}  # for this process; timed again in the next
+                return self.known[sign]
             found = {"op": what, "host": host_wins(xla_rounds, host_rounds),
                      **{f"{name}_{stat}_us": round(fn(rounds) * 1e6, 2)
                         for name, rounds in (("xla", xla_rounds), ("host", host_rounds))
@@ -270,10 +272,13 @@ def time_both(xla_program: str, host_program: str, target: Any) -> tuple[list[fl
     with context():
         function = ir.Module.parse(xla_program).body.operations[0]
         types = [ir.RankedTensorType(t) for t in ir.TypeAttr(function.attributes["function_type"]).value.inputs]
-    generator = torch.Generator().manual_seed(0)
-    tensors = [torch.randn(list(t.shape), generator=generator).to(_TORCH_TYPES.get(str(t.element_type), torch.float32))
-               for t in types]
-    inputs = [to_buffer(tensor, target.device) for tensor in tensors]  # sharing the tensors' memory
+    # Real tensors, also while a compile traces with fake ones (Dynamo's and AOTAutograd's fake tensor mode).
+    with unset_fake_temporarily():
+        generator = torch.Generator().manual_seed(0)
+        tensors = [torch.randn(list(t.shape), generator=generator).to(_TORCH_TYPES.get(str(t.element_type),
+                                                                                      torch.float32))
+                   for t in types]
+        inputs = [to_buffer(tensor, target.device) for tensor in tensors]  # sharing the tensors' memory
     samples: list[list[float]] = [[], []]
     for program in programs:  # a first untimed call of each
         _run(program, inputs)
