@@ -13,19 +13,9 @@ import torch.nn as nn
 from fresh_process import run_json
 
 from tpucompile import driver
-from tpucompile.runtime import compile_module, get_target, optimized_hlo
+from tpucompile.runtime import compile_module, optimized_hlo
 from tpucompile.runtime.host_blas import CONV_TARGET_NAME, kernels
 from tpucompile.runtime.transfer import to_buffer, to_tensor
-
-
-@pytest.fixture(scope="module")
-def target():
-    found = get_target("cpu")
-    assert found.host_blas is not None and found.host_blas.convolutions, (
-        "the host kernels did not build or bind on this machine (they need a C compiler, $CC or cc, and "
-        "torch's sgemm_; the reason is logged at INFO by logger 'tpucompile')")
-    return found
-
 
 # (name, module, input shape, kernel calls in forward + backward programs)
 CASES = [

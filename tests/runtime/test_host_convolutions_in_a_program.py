@@ -17,22 +17,12 @@ from __future__ import annotations
 import copy
 import re
 
-import pytest
 import torch
 import torch.nn as nn
 
 from tpucompile import driver
-from tpucompile.runtime import get_target, optimized_hlo
+from tpucompile.runtime import optimized_hlo
 from tpucompile.runtime.host_blas import CONV_TARGET_NAME
-
-
-@pytest.fixture(scope="module")
-def target():
-    found = get_target("cpu")
-    assert found.host_blas is not None and found.host_blas.convolutions, (
-        "the host kernels did not build or bind on this machine (they need a C compiler, $CC or cc, and "
-        "torch's sgemm_; the reason is logged at INFO by logger 'tpucompile')")
-    return found
 
 
 class _DenseLayer(nn.Module):
