@@ -6,10 +6,10 @@ calls.
 ``tpucompile_host_conv`` in the same library runs f32 2-D convolutions as im2col (or col2im) around
 ``sgemm_``, sharing a convolution's images out over XLA's intra-op pool (``host_convolutions`` says which
 convolutions it can take). Like JAX's LAPACK kernels, the library takes the BLAS's addresses at start-up
-instead of linking it. Inside a program the BLAS runs on the calling thread alone (an OpenMP team forked there
-competes with XLA's pool threads and made whole programs 1.75x slower). Whether a given op of a program calls them or stays with XLA's own dot or convolution
-is decided per op by timing both (``kernel_choice``): which is faster depends on the shape, the machine and
-XLA's release.
+instead of linking it. Inside a program the BLAS runs on the calling thread alone (an OpenMP team forked
+there competes with XLA's pool threads and made whole programs 1.75x slower). Whether a given op of a program
+calls them or stays with XLA's own dot or convolution is decided per op by timing both (``kernel_choice``):
+which is faster depends on the shape, the machine and XLA's release.
 
 The handler is compiled from its C source on first use with the system C compiler (``$CC`` or ``cc``) against
 jaxlib's XLA FFI header, into a directory keyed by the source and jaxlib's version, and each kernel is checked
