@@ -1,4 +1,4 @@
-"""The escape hatch of DESIGN decision 1: lower a jax function once and call it from the module being built.
+"""The escape hatch for ops hard to write by hand: lower a jax function once and call it from the module being built.
 
 Some ops (LU factorisations and the solves built on them, …) are far easier to take from ``jax.lax`` than to
 write in StableHLO by hand. ``call`` lowers ``fn`` for the operands' concrete shapes and dtypes with

@@ -1,4 +1,4 @@
-"""``grid_sampler_2d`` / ``grid_sampler_3d`` and their backwards, through ``jax_bridge`` (DESIGN decision 1).
+"""``grid_sampler_2d`` / ``grid_sampler_3d`` and their backwards, through ``jax_bridge``.
 
 The sampler is written once, for any number of spatial dims, as a jax function that follows ATen's
 ``GridSampler`` step by step: grid coordinates are unnormalised to pixel space (``align_corners`` decides

@@ -2,7 +2,7 @@
 
 Cholesky and triangular solves are StableHLO ops (``stablehlo.cholesky``, ``stablehlo.triangular_solve``)
 and are written directly; everything built on an LU factorisation (inverse, solve, det, slogdet, lu_factor,
-lu_solve, lu, lu_unpack) is taken from ``jax.lax.linalg`` through ``jax_bridge`` (DESIGN decision 1).
+lu_solve, lu, lu_unpack) is taken from ``jax.lax.linalg`` through ``jax_bridge``.
 
 PyTorch conventions kept: LU pivots are LAPACK's 1-based ``int32`` row swaps; ``info`` is 0, or ``i`` when
 the i-th (1-based) pivot / leading minor fails; the unused triangle of a Cholesky factor is zero; batch dims

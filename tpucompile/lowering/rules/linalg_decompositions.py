@@ -1,7 +1,7 @@
 """Matrix decompositions: SVD, symmetric eigendecomposition, QR and Householder products, LDL^T (Bunch-Kaufman),
 the pseudo-inverse and the matrix exponential.
 
-All are jax functions spliced in through ``jax_bridge`` (DESIGN decision 1): ``jax.numpy.linalg``,
+All are jax functions spliced in through ``jax_bridge``: ``jax.numpy.linalg``,
 ``jax.lax.linalg`` and ``jax.scipy.linalg`` where they have the routine (SVD, eigh, QR, ``orgqr``, ``expm``),
 and small jax loops written here, after the LAPACK routines PyTorch calls, where they do not or where PyTorch's
 result depends on how the routine computes it (``geqr2``, ``gebd2``, ``sytd2``, ``steqr``, ``sytf2``, ``sytrs``).

@@ -1,6 +1,6 @@
 """Special functions: Bessel and Airy functions, the gamma family, Hurwitz zeta, orthogonal polynomials.
 
-Every rule calls a jax function through ``jax_bridge`` (DESIGN decision 1): where ``jax.scipy.special`` or
+Every rule calls a jax function through ``jax_bridge``: where ``jax.scipy.special`` or
 ``jax.lax`` compute the function well (``i0``, ``i0e``, ``i1``, ``i1e``, ``ndtri``, ``digamma``, the
 incomplete gamma functions away from their large-parameter regime) it is used; everything else is written
 here from the mathematics, in jax:
