@@ -192,10 +192,8 @@ XLA_FFI_Error* tpucompile_host_gemm(XLA_FFI_CallFrame* frame) {
   /* The BLAS runs on the calling thread alone, for this call: an OpenMP team forked from inside an XLA program
    * competes with XLA's pool threads (which spin for a while after their own work) for the cores, and a
    * product that is 20-50% faster than XLA's alone became 1.75x slower inside whole programs (measured on a
-   * transformer of width 384). On XLA's own pool threads the setting lasts for the thread, which only XLA
-   * uses; on any other thread (torch's, where programs run inline) it is restored before returning, so the
-   * caller's thread count stays as torch and the user set it. */
-  single_blas_thread_on_xla_pool();
+   * transformer of width 384). The thread's own setting is restored before returning, so on torch's thread
+   * (where programs run inline) the thread count stays as torch and the user set it. */
   int previous_blas_threads = blas_threads_local != NULL ? blas_threads_local(1) : -1;
   XLA_FFI_Error* result = multiply(frame, lhs, rhs, out, batch, m, n, k, transpose_lhs, transpose_rhs);
   if (previous_blas_threads >= 0) blas_threads_local(previous_blas_threads);

@@ -42,7 +42,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from tpucompile.runtime import host_blas
 from tpucompile.runtime.host_convolutions import CONVOLUTION_REPLACEMENTS
 from tpucompile.runtime.host_dots import dot_replacements
-from tpucompile.runtime.mlir_walk import context, rewrite_each, walk_operations
+from tpucompile.runtime.mlir_walk import context, mentions, rewrite_each, walk_operations
 from tpucompile.runtime.transfer import to_buffer
 
 log = logging.getLogger("tpucompile")
@@ -73,8 +73,7 @@ def chosen_ops(module: bytes | str, target: Any, mode: str) -> tuple[str, ...]:
     if mode == "off" or kernels is None or len(target.devices) != 1:
         return ()
     replacements = host_replacements(kernels)
-    markers = [name.split(".")[-1] for name in replacements]
-    if not any((m if isinstance(module, str) else m.encode()) in module for m in markers):
+    if not mentions(module, replacements):
         return ()
     chosen = set()
     with context(), ir.Location.unknown():

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import io
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from jax.extend.mlir import ir
@@ -31,6 +31,13 @@ def context() -> ir.Context:
     return found
 
 
+def mentions(module: bytes | str, names: Iterable[str]) -> bool:
+    """Whether ``module``'s text or bytecode holds the short name of any operation in ``names``
+    (``stablehlo.convolution`` → ``convolution``): a module that does not is skipped without a parse."""
+    markers = [name.split(".")[-1] for name in names]
+    return any((m if isinstance(module, str) else m.encode()) in module for m in markers)
+
+
 def rewrite_each(module: bytes | str, replacements: dict[str, Callable[[Any], bool]],
                  select: Callable[[Any], bool] | None = None) -> bytes | str:
     """``module`` (text or bytecode) after each of its operations named in ``replacements`` (e.g.
@@ -38,8 +45,7 @@ def rewrite_each(module: bytes | str, replacements: dict[str, Callable[[Any], bo
     unchanged (the same object) when none was. ``select``, when given, picks the operations to hand over; it
     sees every one before any is rewritten. One parse and one serialisation serve every kind, and the module
     is parsed only when its text or bytecode mentions one of them."""
-    markers = [name.split(".")[-1] for name in replacements]
-    if not any((m if isinstance(module, str) else m.encode()) in module for m in markers):
+    if not mentions(module, replacements):
         return module
     with context(), ir.Location.unknown():
         parsed = ir.Module.parse(module)
