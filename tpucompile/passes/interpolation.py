@@ -33,7 +33,7 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-from tpucompile.lowering.rules.resampling import source_scale
+from tpucompile.resize_scale import source_scale
 
 _MODES = {"nearest": 2, "linear": 1, "bilinear": 2, "trilinear": 3}
 """The modes handled, with the number of resampled dims each requires. Nearest is taken in 2-D only: in 1-D

@@ -24,6 +24,7 @@ from jax.extend.mlir.dialects import stablehlo as hlo
 from tpucompile.lowering import builder
 from tpucompile.lowering.registry import register_lowering
 from tpucompile.lowering.rules.pooling import contract_trailing
+from tpucompile.resize_scale import source_scale
 
 aten = torch.ops.aten
 Value = ir.Value
@@ -113,16 +114,6 @@ def _cubic(x: float, a: float = -0.5) -> float:
     if x < 2.0:
         return (((x - 5.0) * x + 8.0) * x - 4.0) * a
     return 0.0
-
-
-def source_scale(size: int, out: int, align_corners: bool, scale_factor: float | None) -> float:
-    """Input pixels per output pixel, as PyTorch's ``area_pixel_compute_scale`` defines it (``scale_factor``:
-    the user's factor, which sets it unless ``align_corners``)."""
-    if align_corners:
-        return (size - 1) / (out - 1) if out > 1 else 0.0
-    if scale_factor is not None and scale_factor > 0:
-        return 1.0 / scale_factor
-    return size / out
 
 
 def _antialias_matrix(
