@@ -35,7 +35,7 @@ def main() -> None:
     import torch
     from models import build as build_workload
 
-    from tpucompile.runtime import kernel_choice
+    from tpucompile.runtime.host_kernels import kernel_choice
 
     seen: set[str] = set()
     print("| workload | op | XLA us: median (best) | host us: median (best) | host / XLA (medians) | choice |\n"

@@ -7,8 +7,9 @@ from collections.abc import Iterable
 from jaxlib import xla_client
 
 from tpucompile.errors import CompileError
-from tpucompile.runtime import kernel_choice
-from tpucompile.runtime.target import Target, compile_options
+from tpucompile.runtime.host_kernels import kernel_choice
+from tpucompile.runtime.targets.local import Target
+from tpucompile.runtime.xla_options import compile_options
 
 
 def compile_module(module: bytes | str, target: Target, num_partitions: int | None = None,

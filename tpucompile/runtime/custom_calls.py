@@ -1,7 +1,7 @@
 """The runtime libraries a compiled program calls into, and making them ready before a cached program runs.
 
 A compiled XLA program may call custom-call targets: jaxlib's LAPACK kernels (``lapack_sgetrf_ffi``, ...),
-this runtime's host kernels (``host_blas``), anything registered through ``jax.ffi``. Some need set-up in
+this runtime's host kernels (``host_kernels``), anything registered through ``jax.ffi``. Some need set-up in
 the process that runs them, not only a registration: jaxlib's LAPACK handlers are registered when jax
 imports, but they find the LAPACK routines they call only once ``_lapack.initialize()`` has run, which jax
 does while *lowering* a linear-algebra op. A cold compile lowers, a warm start from the cache does not, and

@@ -16,19 +16,17 @@ from typing import Any
 
 import torch
 
+from tpucompile.runtime.calling_convention import (
+    INPUT,
+    RESULT,
+    SEED_POSITION,
+    TRIMMED,
+    OutputSlot,
+    call_plan,
+    draw_seed,
+)
 from tpucompile.runtime.resident import resident_buffers, shares_host_memory
 from tpucompile.runtime.transfer import to_buffer, to_tensor
-
-RESULT, INPUT, CONSTANT, TRIMMED = 0, 1, 2, 3
-"""Output plan kinds: program result i; argument j as is; a constant; a padded result cut to sizes that
-other results hold (value: (result index, ((dimension, size result index), ...)))."""
-SEED_POSITION = -1
-"""An input position that is not an argument: a fresh seed for the program's random ops."""
-
-
-def _draw_seed() -> torch.Tensor:
-    """Two 64-bit words from torch's default generator, so ``torch.manual_seed`` governs compiled RNG too."""
-    return torch.randint(-(2**63), 2**63 - 1, (2,), dtype=torch.int64)
 
 
 class GraphExecutable:
@@ -39,7 +37,7 @@ class GraphExecutable:
         loaded: Any,
         device: Any,
         input_positions: Sequence[int],
-        output_plan: Sequence[tuple[int, Any]],
+        output_plan: Sequence[OutputSlot],
         constants: Sequence[torch.Tensor] = (),
         result_count: int | None = None,
     ) -> None:
@@ -49,6 +47,7 @@ class GraphExecutable:
         self.device = device
         self.input_positions = list(input_positions)
         self.output_plan = list(output_plan)
+        self._plan = call_plan(self.output_plan)
         self.constants = list(constants)
         self._resident = resident_buffers(device)
         self._imported: list[Any] = [None] * len(self.input_positions)
@@ -56,7 +55,7 @@ class GraphExecutable:
         self._shares_memory = shares_host_memory(device)
         self.program_key: str | None = None
         """The program cache key this executable was built from, when it can be rebuilt from it alone."""
-        self._results_in_order = self.output_plan == [(RESULT, i) for i in range(len(self.output_plan))] and (
+        self._results_in_order = self._plan == [(RESULT, i) for i in range(len(self._plan))] and (
             result_count is None or result_count == len(self.output_plan)
         )
 
@@ -70,7 +69,7 @@ class GraphExecutable:
         buffers = []
         for slot, position in enumerate(self.input_positions):
             if position == SEED_POSITION:
-                buffers.append(to_buffer(_draw_seed(), device))
+                buffers.append(to_buffer(draw_seed(), device))
                 continue
             tensor = args[position]
             if not isinstance(tensor, torch.Tensor):  # a device buffer another program returned (call_keeping)
@@ -108,7 +107,7 @@ class GraphExecutable:
                 return [exported(result) for result in results]
             return [*(exported(result) for result in results[:first_kept]), *results[first_kept:]]
         outputs = []
-        for position, (kind, value) in enumerate(self.output_plan):
+        for position, (kind, value) in enumerate(self._plan):
             if kind == RESULT:
                 outputs.append(self._exported(results[value]) if position < first_kept else results[value])
             elif kind == INPUT:

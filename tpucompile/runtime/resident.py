@@ -1,6 +1,6 @@
 """Device buffers of live torch tensors, shared by every executable that runs on one device.
 
-Importing a tensor into PJRT costs 5-15 microseconds, and a training step hands many tensors across twice:
+Importing a tensor into PJRT has a cost per tensor, and a training step hands many tensors across twice:
 the weights go into the forward and again into the backward, and the activations the forward saved come
 back into the backward. Remembering, per live tensor, the buffer it was last imported as (or the buffer it was
 exported from) lets each of them cross once. An entry is served only while the tensor is the same contiguous

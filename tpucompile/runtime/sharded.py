@@ -29,7 +29,15 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxlib import xla_client
 
 from tpucompile.errors import ShardingError
-from tpucompile.runtime.executable import CONSTANT, INPUT, RESULT, SEED_POSITION, _draw_seed
+from tpucompile.runtime.calling_convention import (
+    CONSTANT,
+    INPUT,
+    RESULT,
+    SEED_POSITION,
+    OutputSlot,
+    call_plan,
+    draw_seed,
+)
 from tpucompile.runtime.transfer import to_buffer, to_tensor
 
 Dims = tuple[tuple[str, ...], ...]
@@ -245,7 +253,7 @@ class ShardedExecutable:
         result_specs: Sequence[tuple[tuple[int, ...], torch.dtype]],
         kept_results: Sequence[bool],
         input_positions: Sequence[int],
-        output_plan: Sequence[tuple[int, Any]],
+        output_plan: Sequence[OutputSlot],
         constants: Sequence[torch.Tensor] = (),
     ) -> None:
         self._boxed_call = True  # see GraphExecutable
@@ -255,6 +263,7 @@ class ShardedExecutable:
         self.mesh = Mesh(np.array(list(devices), dtype=object).reshape(shape), names)
         self.input_positions = list(input_positions)
         self.output_plan = list(output_plan)
+        self._plan = call_plan(self.output_plan)
         self.constants = list(constants)
         self.args = [_Argument(self.mesh, d, s) for d, s in zip(arg_dims, arg_shapes, strict=True)]
         self.results = [
@@ -280,7 +289,7 @@ class ShardedExecutable:
         for slot, position in enumerate(self.input_positions):
             layout = self.args[slot]
             if position == SEED_POSITION:
-                arrays.append(layout.place(_draw_seed()))
+                arrays.append(layout.place(draw_seed()))
                 continue
             tensor = args[position]
             probe = _probe(tensor)
@@ -308,7 +317,7 @@ class ShardedExecutable:
     def __call__(self, args: list[Any]) -> list[Any]:
         shards = self.loaded.execute_sharded(self.arguments(args)).disassemble_into_single_device_arrays()
         outputs = []
-        for position, (kind, value) in enumerate(self.output_plan):
+        for position, (kind, value) in enumerate(self._plan):
             if kind == RESULT and position in self.dtensor_outputs:
                 result = self.results[value]
                 outputs.append(as_dtensor(result.local(shards[value]), *self.dtensor_outputs[position],

@@ -83,7 +83,3 @@ class ShapeSpecializer:
             log.info("%s dropped the executable for sizes %s (max_shape_specializations=%d)",
                      self.name, dropped, self._max_entries)
         return runner
-
-    @property
-    def compiled_signatures(self) -> list[Signature]:
-        return list(self._entries)

@@ -1,6 +1,6 @@
 """Moving tensors between torch and PJRT buffers through DLPack, without copies where memory is shared.
 
-jaxlib's own DLPack entry points are used directly: they are several times cheaper per tensor than
+jaxlib's own DLPack entry points are used directly: they skip the per-tensor Python work of
 ``jax.dlpack.from_dlpack``/``torch.from_dlpack``, which matters when a graph has dozens of inputs.
 Non-contiguous tensors are made contiguous first: a strided tensor would otherwise be imported with a
 layout that the executable ignores, silently giving wrong results.
@@ -16,7 +16,7 @@ from jaxlib import xla_client
 _import_dlpack = xla_client._xla.dlpack_managed_tensor_to_buffer
 _export_dlpack = xla_client._xla.buffer_to_dlpack_managed_tensor
 _capsule_to_tensor = torch.utils.dlpack.from_dlpack
-# The C entry point skips ``Tensor.__dlpack__``'s Python-level argument handling (about 2 us a tensor).
+# The C entry point skips ``Tensor.__dlpack__``'s Python-level argument handling (paid once per tensor).
 # It also accepts tensors that require grad, which ``__dlpack__`` refuses.
 _tensor_to_capsule = getattr(torch._C, "_to_dlpack", None) or (lambda tensor: tensor.detach().__dlpack__())
 

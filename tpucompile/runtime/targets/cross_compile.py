@@ -2,7 +2,7 @@
 chip, and the bytes a host that has those devices loads.
 
 A failure names the graph, the op (from the location every StableHLO op carries, which XLA keeps in its
-HLO metadata) and the target. Two kinds are caught before XLA sees the program: complex128 on a TPU, on
+HLO metadata) and the target. One kind is caught before XLA sees the program: complex128 on a TPU, on
 which libtpu's compiler aborts the whole process on some ops instead of failing.
 """
 
@@ -18,7 +18,8 @@ from jax.extend.mlir import ir
 from tpucompile.errors import CompileError
 from tpucompile.runtime.compiler import for_target
 from tpucompile.runtime.mlir_walk import walk_operations
-from tpucompile.runtime.target import Target, compile_options
+from tpucompile.runtime.targets.local import Target
+from tpucompile.runtime.xla_options import compile_options
 
 
 class TargetCompileError(CompileError):

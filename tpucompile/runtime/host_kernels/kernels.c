@@ -190,10 +190,10 @@ XLA_FFI_Error* tpucompile_host_gemm(XLA_FFI_CallFrame* frame) {
   }
   if (m == 0 || n == 0) return NULL;
   /* The BLAS runs on the calling thread alone, for this call: an OpenMP team forked from inside an XLA program
-   * competes with XLA's pool threads (which spin for a while after their own work) for the cores, and a
-   * product that is 20-50% faster than XLA's alone became 1.75x slower inside whole programs (measured on a
-   * transformer of width 384). The thread's own setting is restored before returning, so on torch's thread
-   * (where programs run inline) the thread count stays as torch and the user set it. */
+   * competes with XLA's pool threads (which spin for a while after their own work) for the cores, which can
+   * make a product that beats XLA's alone lose inside a whole program. The thread's own setting is restored
+   * before returning, so on torch's thread (where programs run inline) the thread count stays as torch and
+   * the user set it. */
   int previous_blas_threads = blas_threads_local != NULL ? blas_threads_local(1) : -1;
   XLA_FFI_Error* result = multiply(frame, lhs, rhs, out, batch, m, n, k, transpose_lhs, transpose_rhs);
   if (previous_blas_threads >= 0) blas_threads_local(previous_blas_threads);
@@ -262,8 +262,8 @@ static XLA_FFI_Error* multiply(XLA_FFI_CallFrame* frame, const XLA_FFI_Buffer* l
 }
 
 /* Two-dimensional f32 convolutions as im2col (or col2im) around BLAS products, the way ATen's fallback kernels
- * compute them: XLA's CPU convolutions are 1.5-3x slower than that on the small-channel, large-image shapes
- * vision models train with.
+ * compute them: XLA's CPU convolutions are slower than that on the small-channel, large-image shapes vision
+ * models train with.
  *
  * `tpucompile_host_conv` takes the convolution's two operands and returns (out, scratch); scratch is workspace
  * that XLA allocates with the program's other temporaries (the program never reads it). Buffers are row-major.
@@ -579,9 +579,8 @@ XLA_FFI_Error* tpucompile_host_conv(XLA_FFI_CallFrame* frame) {
   job->lhs = (const float*)lhs->data, job->kernel = weights, job->rhs = (const float*)rhs->data;
   job->result = result, job->scratch = workspace;
   /* With helpers, the calling thread's BLAS runs single-threaded for the duration of this call (its count
-   * is restored before returning): the helpers are the parallelism. Measured both ways: leaving the count
-   * alone made training steps faster (ResNet 6.2-7.0 vs 7.2-8.2 ms, when torch's OpenMP team is awake from
-   * the eager loss and optimiser) and inference slower (ResNet 1.63-1.78 vs 1.32-1.36 ms, UNet 2.3 vs 1.9). */
+   * is restored before returning): the helpers are the parallelism. Leaving the count alone helped training
+   * steps (torch's OpenMP team is awake then, from the eager loss and optimiser) less than it hurt inference. */
   int previous_blas_threads = -1;
   if (workers > 1 && blas_threads_local != NULL) previous_blas_threads = blas_threads_local(1);
   for (int64_t t = 1; t < workers; ++t) {

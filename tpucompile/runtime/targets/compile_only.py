@@ -14,8 +14,8 @@ import functools
 
 from tpucompile import targets
 from tpucompile.errors import OptionsError
-from tpucompile.runtime import libtpu
-from tpucompile.runtime.target import Target, get_target
+from tpucompile.runtime.targets import libtpu
+from tpucompile.runtime.targets.local import Target, get_target
 
 
 @functools.cache

@@ -1,6 +1,6 @@
 """Which matrix products and convolutions of a CPU program go to the host kernels: decided per op by timing.
 
-The host kernels (``host_dots``, ``host_convolutions``) beat XLA's own dots and convolutions on some shapes
+The host kernels (``dots``, ``convolutions``) beat XLA's own dots and convolutions on some shapes
 and lose on others, and where the line falls depends on the machine: its cores, its BLAS, the threads torch
 and XLA keep busy. So, as Inductor's autotuner does, each distinct op is timed both ways on this machine the
 first time a program holding it is compiled, and goes to the host kernel only where that is measurably faster.
@@ -39,26 +39,27 @@ from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import func
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from tpucompile.runtime import host_blas
-from tpucompile.runtime.host_convolutions import CONVOLUTION_REPLACEMENTS
-from tpucompile.runtime.host_dots import dot_replacements
+from tpucompile.runtime.host_kernels import library
+from tpucompile.runtime.host_kernels.convolutions import CONVOLUTION_REPLACEMENTS
+from tpucompile.runtime.host_kernels.dots import dot_replacements
 from tpucompile.runtime.mlir_walk import context, mentions, rewrite_each, walk_operations
 from tpucompile.runtime.transfer import to_buffer
+from tpucompile.runtime.xla_options import compile_options
 
 log = logging.getLogger("tpucompile")
 
-MODES = ("auto", "on", "off")
 
 WIN_RATIO = 0.95
 """The host kernel is chosen only where its best time is at most this fraction of XLA's (a choice inside the
 timing noise would be a coin toss) and its median time is no worse than XLA's: a BLAS whose threads stall
-when another process holds a core (seen here: 100x on small products) loses in the median, not in the best."""
+when another process holds a core loses in the median, not in the best."""
 _ROUNDS = 5
 """Alternating rounds of timed calls per variant (drift hits both alike)."""
 _ROUND_SECONDS = 0.004
 """Each round times calls until this long has passed (at least one call)."""
 
-def host_replacements(kernels: host_blas.HostBlas) -> dict[str, Callable[[Any], bool]]:
+
+def host_replacements(kernels: library.HostBlas) -> dict[str, Callable[[Any], bool]]:
     """The rewrites of every op kind the host ``kernels`` take (for ``mlir_walk.rewrite_each``)."""
     replacements = dot_replacements(kernels.dtypes)
     if kernels.convolutions:
@@ -163,7 +164,7 @@ def signature(micro: str) -> str:
 def _machine() -> str:
     """What decides a timing besides the op: the kernels' code and BLAS, the processor, the cores this process
     may use, torch's thread count (the BLAS's team on the calling thread) and XLA's flags."""
-    kernels = host_blas.kernels()
+    kernels = library.kernels()
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:
@@ -252,7 +253,7 @@ def decisions_path() -> pathlib.Path:
     """The file of this machine's measured decisions: signature → ``{"op", "host", "xla_min_us",
     "xla_median_us", "host_min_us", "host_median_us"}``."""
     digest = hashlib.sha256(_machine().encode()).hexdigest()[:16]
-    return host_blas.build_root() / "kernel_choices" / f"{digest}.json"
+    return library.build_root() / "kernel_choices" / f"{digest}.json"
 
 
 def host_wins(xla_rounds: list[float], host_rounds: list[float]) -> bool:
@@ -264,8 +265,6 @@ def host_wins(xla_rounds: list[float], host_rounds: list[float]) -> bool:
 def time_both(xla_program: str, host_program: str, target: Any) -> tuple[list[float], list[float]]:
     """Seconds per call of the two programs on ``target``, one figure per round, timed in alternating rounds
     on the same random inputs."""
-    from tpucompile.runtime.target import compile_options
-
     options = compile_options(target)
     programs = [target.client.compile_and_load(p, target.device_list(), options) for p in (xla_program, host_program)]
     with context():

@@ -1,15 +1,15 @@
-"""Matrix products and convolutions on the CPU through the host's BLAS, called from XLA programs as FFI custom
-calls.
+"""The host kernels' library: matrix products and convolutions on the CPU through the host's BLAS, called from
+XLA programs as FFI custom calls.
 
-``tpucompile_host_gemm`` (``host_blas.c``) is a small XLA FFI handler that calls ``sgemm_``/``dgemm_``/
+``tpucompile_host_gemm`` (``kernels.c``) is a small XLA FFI handler that calls ``sgemm_``/``dgemm_``/
 ``cblas_gemm_bf16bf16f32`` of the BLAS already loaded with torch, and XLA keeps everything around it.
 ``tpucompile_host_conv`` in the same library runs f32 2-D convolutions as im2col (or col2im) around
-``sgemm_``, sharing a convolution's images out over XLA's intra-op pool (``host_convolutions`` says which
+``sgemm_``, sharing a convolution's images out over XLA's intra-op pool (``convolutions`` says which
 convolutions it can take). Like JAX's LAPACK kernels, the library takes the BLAS's addresses at start-up
 instead of linking it. Inside a program the BLAS runs on the calling thread alone (an OpenMP team forked
-there competes with XLA's pool threads and made whole programs 1.75x slower). Whether a given op of a program
-calls them or stays with XLA's own dot or convolution is decided per op by timing both (``kernel_choice``):
-which is faster depends on the shape, the machine and XLA's release.
+there competes with XLA's pool threads for the cores). Whether a given op of a program calls them or stays
+with XLA's own dot or convolution is decided per op by timing both (``kernel_choice``): which is faster
+depends on the shape, the machine and XLA's release.
 
 The handler is compiled from its C source on first use with the system C compiler (``$CC`` or ``cc``) against
 jaxlib's XLA FFI header, into a directory keyed by the source and jaxlib's version, and each kernel is checked
@@ -37,7 +37,7 @@ TARGET_NAME = "tpucompile_host_gemm"
 CONV_TARGET_NAME = "tpucompile_host_conv"
 """The FFI target name programs call for f32 2-D convolutions (im2col + the BLAS's sgemm)."""
 
-_SOURCE = pathlib.Path(__file__).with_name("host_blas.c")
+_SOURCE = pathlib.Path(__file__).with_name("kernels.c")
 _DTYPE_BITS = {"f32": 1, "f64": 2, "bf16": 4}
 _BLAS_SYMBOLS = ("sgemm_", "dgemm_", "cblas_gemm_bf16bf16f32", "MKL_Set_Num_Threads_Local")
 
@@ -75,7 +75,7 @@ class HostBlas:
         """What identifies the code programs call (source, jaxlib, BLAS, whether convolutions are taken): part
         of executable cache keys."""
         self.convolutions = convolutions
-        """Whether f32 2-D convolutions call ``CONV_TARGET_NAME`` (``host_convolutions``)."""
+        """Whether f32 2-D convolutions call ``CONV_TARGET_NAME`` (``convolutions``)."""
 
     @classmethod
     def load(cls) -> HostBlas:
@@ -149,10 +149,10 @@ def _build(source: bytes) -> pathlib.Path:
     try:
         done = subprocess.run(command, input=source, capture_output=True, timeout=120)
         if done.returncode != 0:
-            raise _Unavailable(f"{compiler} failed on host_blas.c: {done.stderr.decode(errors='replace')[-2000:]}")
+            raise _Unavailable(f"{compiler} failed on {_SOURCE.name}: {done.stderr.decode(errors='replace')[-2000:]}")
         os.replace(partial, library)
     except (OSError, subprocess.SubprocessError) as error:
-        raise _Unavailable(f"cannot build host_blas.c: {error}") from error
+        raise _Unavailable(f"cannot build {_SOURCE.name}: {error}") from error
     finally:
         if os.path.exists(partial):
             os.unlink(partial)

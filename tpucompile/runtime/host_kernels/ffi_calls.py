@@ -1,4 +1,4 @@
-"""StableHLO custom calls of the typed XLA FFI handlers this runtime registers (``host_blas``)."""
+"""StableHLO custom calls of the typed XLA FFI handlers the host kernels' library registers (``library``)."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ import os
 import jax
 
 from tpucompile.errors import ShardingError
-from tpucompile.runtime.target import get_target
+from tpucompile.runtime.targets.local import get_target
 
 
 def initialize(coordinator: str | None, num_processes: int, process_id: int | None) -> None:

@@ -1,4 +1,4 @@
-"""CPU programs: ``stablehlo.dot_general`` → a call of the host BLAS kernel (``host_blas``).
+"""CPU programs: ``stablehlo.dot_general`` → a call of the host BLAS kernel (``tpucompile_host_gemm``).
 
 A dot qualifies when it is a (batched) matrix product the kernel computes on row-major buffers without
 moving data: batch dimensions leading and in order in both operands, one contracting dimension that is the
@@ -23,21 +23,15 @@ from typing import Any
 from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import stablehlo as hlo
 
-from tpucompile.runtime.ffi_calls import ffi_call
-from tpucompile.runtime.host_blas import TARGET_NAME
-from tpucompile.runtime.mlir_walk import rewrite_each
+from tpucompile.runtime.host_kernels.ffi_calls import ffi_call
+from tpucompile.runtime.host_kernels.library import TARGET_NAME
 
 _INT32_MAX = 2**31 - 1
 
 
-def rewrite_dots(module: bytes | str, dtypes: frozenset[str]) -> bytes | str:
-    """``module`` with its qualifying dots calling the host BLAS for ``dtypes``; unchanged (the same object)
-    when no dot qualifies."""
-    return rewrite_each(module, dot_replacements(dtypes))
-
-
 def dot_replacements(dtypes: frozenset[str]) -> dict[str, Callable[[Any], bool]]:
-    """What ``rewrite_each`` calls to rewrite the dots for ``dtypes`` (to combine with other rewrites)."""
+    """What ``mlir_walk.rewrite_each`` calls to rewrite the dots for ``dtypes`` (``kernel_choice`` combines it
+    with the other rewrites)."""
     return {"stablehlo.dot_general": lambda dot: _replace(dot, dtypes)}
 
 

@@ -1,4 +1,5 @@
-"""CPU programs: f32 2-D ``stablehlo.convolution`` → a call of the host im2col/col2im + BLAS kernel (``host_blas``).
+"""CPU programs: f32 2-D ``stablehlo.convolution`` → a call of the host im2col/col2im + BLAS kernel
+(``tpucompile_host_conv``).
 
 This module says which convolutions the kernel *can* take and rewrites one; ``kernel_choice`` decides, by
 timing each against XLA's own convolution, which of them it *does* take. The lowering
@@ -15,7 +16,7 @@ timing each against XLA's own convolution, which of them it *does* take. The low
 
 Modes 0 and 1 are taken only where their outputs have ``_MIN_POSITIONS`` positions per image or more; mode 2
 at every size. Grouped convolutions, other ranks, other dtypes and other dimension orders stay with XLA. Like
-``host_dots``, the rewrite happens only when a program is compiled for this process's CPU; the stored
+``dots``, the rewrite happens only when a program is compiled for this process's CPU; the stored
 StableHLO program is not touched.
 """
 
@@ -29,15 +30,14 @@ from typing import Any
 from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import stablehlo as hlo
 
-from tpucompile.runtime.ffi_calls import ffi_call
-from tpucompile.runtime.host_blas import CONV_TARGET_NAME
+from tpucompile.runtime.host_kernels.ffi_calls import ffi_call
+from tpucompile.runtime.host_kernels.library import CONV_TARGET_NAME
 
 _INT32_MAX = 2**31 - 1
 _MIN_POSITIONS = 256
 """Forward convolutions and kernel gradients whose output (or output gradient) has fewer positions per image
-stay with XLA, which is faster there: their im2col copies rows of a few elements each (8x32x8x8 3x3: 234 us
-against XLA's 158). Transposed convolutions are taken at every size (col2im skips the dilated zeros XLA
-multiplies)."""
+stay with XLA, which is faster there: their im2col copies rows of a few elements each. Transposed convolutions
+are taken at every size (col2im skips the dilated zeros XLA multiplies)."""
 _MIN_PRODUCT_WIDTH = 256
 """Images go side by side into one product until it is this many positions wide: thinner products run far
 below the BLAS's peak."""
@@ -125,7 +125,8 @@ def _replace(op: Any) -> bool:
 
 
 CONVOLUTION_REPLACEMENTS: dict[str, Callable[[Any], bool]] = {"stablehlo.convolution": _replace}
-"""What ``rewrite_each`` calls to rewrite the convolutions (to combine with other rewrites)."""
+"""What ``mlir_walk.rewrite_each`` calls to rewrite the convolutions (``kernel_choice`` combines it with the
+other rewrites)."""
 
 
 @functools.cache
