@@ -2,7 +2,7 @@
 
 from tpucompile.lowering import rules  # noqa: F401  (registers every lowering rule)
 from tpucompile.lowering.graph import LoweredProgram, OutputSlot, lower_graph
-from tpucompile.lowering.registry import has_lowering, register_lowering, registered_ops
+from tpucompile.lowering.registry import register_lowering
 from tpucompile.lowering.shapes import ShapeBindings, is_symbolic
 from tpucompile.lowering.types import TensorSpec
 
@@ -11,9 +11,7 @@ __all__ = [
     "OutputSlot",
     "ShapeBindings",
     "TensorSpec",
-    "has_lowering",
     "is_symbolic",
     "lower_graph",
     "register_lowering",
-    "registered_ops",
 ]

@@ -1,6 +1,6 @@
 """The MLIR context lowering builds in: one per thread, reused, with every dialect we emit registered.
 
-Building in a reused context is about ten times cheaper than creating a fresh one per graph; MLIR contexts
+Building in a reused context is much cheaper than creating a fresh one per graph; MLIR contexts
 are not thread-safe, so each thread gets its own.
 """
 

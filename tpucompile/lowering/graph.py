@@ -32,19 +32,7 @@ from tpucompile.lowering.registry import LoweringContext, is_random, lookup_rule
 from tpucompile.lowering.rng import SEED_SHAPE, RandomStream
 from tpucompile.lowering.shapes import ShapeBindings
 from tpucompile.lowering.types import SUPPORTED_DTYPES, TensorSpec, spec_of, spec_type
-
-SEED_POSITION = -1
-
-
-@dataclasses.dataclass(frozen=True)
-class OutputSlot:
-    """Where one graph output comes from: ``result`` i of the program, ``input`` j as is, or a ``constant``."""
-
-    kind: str
-    index: int = 0
-    value: Any = None
-    trim: tuple[tuple[int, int], ...] = ()
-    """For a padded result: (dimension, index of the int64 result holding that dimension's actual size)."""
+from tpucompile.runtime.calling_convention import SEED_POSITION, OutputSlot
 
 
 @dataclasses.dataclass

@@ -145,10 +145,3 @@ def size_bound(op: object) -> Callable[..., int] | None:
     rule = _RULES.get(op)  # type: ignore[arg-type]
     return None if rule is None else rule.bound
 
-
-def has_lowering(op: object) -> bool:
-    return op in _RULES
-
-
-def registered_ops() -> list[torch._ops.OpOverload]:
-    return sorted(_RULES, key=str)

@@ -20,7 +20,7 @@ from jax.extend.mlir.dialects import sdy
 
 from tpucompile.errors import LoweringError
 from tpucompile.lowering.registry import register_lowering
-from tpucompile.sharding import Dims, decode_sharding, shard_annotation
+from tpucompile.sharding.plan import Dims, decode_sharding, shard_annotation
 
 MESH_NAME = "mesh"
 

@@ -20,15 +20,9 @@ aten = torch.ops.aten
 Value = ir.Value
 
 
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
-
-
 def _channel_sum(x: Value) -> Value:
     """Sum over every dim but 1: shape (C,)."""
-    dtype = builder.dtype_of(x)
-    dims = [d for d in range(builder.rank_of(x)) if d != 1]
-    return builder.reduce([x], [builder.constant(0, dtype)], dims, lambda a, e: [hlo.add(a[0], e[0])])[0]
+    return builder.reduce_sum(x, [d for d in range(builder.rank_of(x)) if d != 1])
 
 
 def _per_channel(v: Value, shape) -> Value:
@@ -47,12 +41,9 @@ def _batch_norm_with_update_functional(ctx, x, weight, bias, running_mean, runni
     out_spec, mean_spec, invstd_spec, reserve_spec, rm_spec, rv_spec = ctx.avals_out
     shape = builder.shape_of(x)
     channels = shape[1]
-    work = _compute_dtype(builder.dtype_of(x))
+    work = builder.accumulator_dtype(builder.dtype_of(x))
     x = builder.convert(x, work)
-    count = 1
-    for d, s in enumerate(shape):
-        if d != 1:
-            count *= s
+    count = builder.numel(s for d, s in enumerate(shape) if d != 1)
     mean = hlo.divide(_channel_sum(x), builder.constant(count, work, (channels,)))
     centred = hlo.subtract(x, _per_channel(mean, shape))
     var = hlo.divide(_channel_sum(hlo.multiply(centred, centred)), builder.constant(count, work, (channels,)))
@@ -82,7 +73,7 @@ def _batch_norm_backward(ctx, grad, x, weight, running_mean, running_var, save_m
     """``save_var`` holds the saved inverse std (the name is ATen's)."""
     shape = builder.shape_of(x)
     channels = shape[1]
-    work = _compute_dtype(builder.dtype_of(x))
+    work = builder.accumulator_dtype(builder.dtype_of(x))
     x, grad = builder.convert(x, work), builder.convert(grad, work)
     if update:
         mean, invstd = builder.convert(save_mean, work), builder.convert(save_var, work)
@@ -91,10 +82,7 @@ def _batch_norm_backward(ctx, grad, x, weight, running_mean, running_var, save_m
         var = builder.convert(running_var, work)
         invstd = hlo.rsqrt(hlo.add(var, builder.constant(eps, work, (channels,))))
     w = _param(weight, work, channels, 1.0)
-    count = 1
-    for d, s in enumerate(shape):
-        if d != 1:
-            count *= s
+    count = builder.numel(s for d, s in enumerate(shape) if d != 1)
     centred = hlo.subtract(x, _per_channel(mean, shape))
     grad_sum = _channel_sum(grad)
     dot = _channel_sum(hlo.multiply(grad, centred))

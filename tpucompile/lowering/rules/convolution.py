@@ -32,18 +32,6 @@ aten = torch.ops.aten
 Value = ir.Value
 
 
-def _accumulator(dtype: torch.dtype) -> torch.dtype:
-    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
-
-
-def _expand(values: Sequence[int] | int, count: int) -> list[int]:
-    """ATen accepts one value for every spatial dimension (``stride=[2]`` on a 2d convolution)."""
-    if isinstance(values, int):
-        return [values] * count
-    values = list(values)
-    return values * count if len(values) == 1 else values
-
-
 def _convolution(
     lhs: Value,
     rhs: Value,
@@ -151,20 +139,16 @@ def _weight_grad(x, gy, stride, padding, dilation, groups, kernel_spatial, dtype
     )
 
 
-def _sum(x: Value, dims: Sequence[int]) -> Value:
-    zero = builder.constant(0, builder.dtype_of(x))
-    return builder.reduce([x], [zero], dims, lambda acc, el: [hlo.add(acc[0], el[0])])[0]
-
-
 def _parameters(x, stride, padding, dilation, output_padding):
     nd = builder.rank_of(x) - 2
-    return _expand(stride, nd), _expand(padding, nd), _expand(dilation, nd), _expand(output_padding, nd)
+    return (builder.per_dim(stride, nd), builder.per_dim(padding, nd), builder.per_dim(dilation, nd),
+            builder.per_dim(output_padding, nd))
 
 
 @register_lowering(aten.convolution.default)
 def _convolution_rule(ctx, x, w, bias, stride, padding, dilation, transposed, output_padding, groups):
     dtype = ctx.aval_out.dtype
-    acc = _accumulator(dtype)
+    acc = builder.accumulator_dtype(dtype)
     stride, padding, dilation, _ = _parameters(x, stride, padding, dilation, output_padding)
     x, w = builder.convert(x, dtype), builder.convert(w, dtype)
     out_spatial = ctx.aval_out.shape[2:]
@@ -184,7 +168,7 @@ def _convolution_backward(
 ):
     stride, padding, dilation, _ = _parameters(x, stride, padding, dilation, output_padding)
     dtype = builder.dtype_of(gy)
-    acc = _accumulator(dtype)
+    acc = builder.accumulator_dtype(dtype)
     x, w = builder.convert(x, dtype), builder.convert(w, dtype)
     x_spatial = builder.shape_of(x)[2:]
     w_spatial = builder.shape_of(w)[2:]
@@ -203,7 +187,7 @@ def _convolution_backward(
         grads[1] = grad
     if output_mask[2]:
         dims = [d for d in range(builder.rank_of(gy)) if d != 1]
-        grads[2] = _sum(builder.convert(gy, acc), dims)
+        grads[2] = builder.reduce_sum(builder.convert(gy, acc), dims)
     results = []
     for grad, spec in zip(grads, ctx.avals_out, strict=True):
         if grad is None or spec is None:

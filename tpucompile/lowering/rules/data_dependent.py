@@ -22,16 +22,12 @@ import math
 import torch
 from jax.extend.mlir import ir
 
-from tpucompile.lowering import jax_bridge
+from tpucompile.lowering import builder, jax_bridge
 from tpucompile.lowering.registry import register_lowering
 from tpucompile.lowering.types import TensorSpec
 
 aten = torch.ops.aten
 SIZE_SPEC = TensorSpec((), torch.int64)
-
-
-def _numel(spec: TensorSpec) -> int:
-    return math.prod(spec.shape)
 
 
 def _call(ctx, name: str, fn, operands: list[ir.Value], params: tuple) -> list[ir.Value]:
@@ -50,7 +46,7 @@ def _compact(jnp, keep, values):
     return padded, jnp.sum(keep, dtype=jnp.int64)
 
 
-@register_lowering(aten.nonzero.default, bound=lambda x: _numel(x))
+@register_lowering(aten.nonzero.default, bound=lambda x: builder.numel(x.shape))
 def _nonzero(ctx, x):
     shape = tuple(ctx.operand_metas[0].shape)
     rank = len(shape)
@@ -70,7 +66,7 @@ def _nonzero(ctx, x):
 
 
 def _broadcast_numel(x: TensorSpec, mask: TensorSpec) -> int:
-    return math.prod(torch.broadcast_shapes(x.shape, mask.shape))
+    return builder.numel(torch.broadcast_shapes(x.shape, mask.shape))
 
 
 @register_lowering(aten.masked_select.default, bound=_broadcast_numel)
@@ -141,7 +137,7 @@ def _unique(ctx, x, *, dim: int | None, sort: bool, want_inverse: bool, want_cou
     return _call(ctx, name, fn, [x], params=(dim, sort, want_inverse, want_counts))
 
 
-@register_lowering(aten._unique2.default, bound=lambda x, *args, **kwargs: _numel(x))
+@register_lowering(aten._unique2.default, bound=lambda x, *args, **kwargs: builder.numel(x.shape))
 def _unique2(ctx, x, sorted=True, return_inverse=False, return_counts=False):
     return _unique(ctx, x, dim=None, sort=True, want_inverse=return_inverse, want_counts=return_counts,
                    name="unique")
@@ -154,7 +150,7 @@ def _unique_dim(ctx, x, dim, sorted=True, return_inverse=False, return_counts=Fa
 
 
 def _unique_consecutive_bound(x: TensorSpec, return_inverse=False, return_counts=False, dim=None) -> int:
-    return _numel(x) if dim is None else x.shape[dim]
+    return builder.numel(x.shape) if dim is None else x.shape[dim]
 
 
 @register_lowering(aten.unique_consecutive.default, bound=_unique_consecutive_bound)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 
 import torch
+from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import stablehlo as hlo
 
 from tpucompile.lowering import builder
@@ -20,25 +21,19 @@ from tpucompile.lowering.types import tensor_type
 aten = torch.ops.aten
 
 
-def _scaled(ctx, value, alpha):
-    if alpha == 1:
-        return value
-    return hlo.multiply(value, builder.constant(alpha, builder.dtype_of(value), builder.shape_of(value)))
-
-
 @register_lowering(aten.add.Tensor, aten.add.Scalar, promote=K.DEFAULT, operands=(0, 1))
 def _add(ctx, a, b, alpha=1):
-    return hlo.add(a, _scaled(ctx, b, alpha))
+    return hlo.add(a, builder.scaled(b, alpha))
 
 
 @register_lowering(aten.sub.Tensor, aten.sub.Scalar, promote=K.DEFAULT, operands=(0, 1))
 def _sub(ctx, a, b, alpha=1):
-    return hlo.subtract(a, _scaled(ctx, b, alpha))
+    return hlo.subtract(a, builder.scaled(b, alpha))
 
 
 @register_lowering(aten.rsub.Tensor, aten.rsub.Scalar, promote=K.DEFAULT, operands=(0, 1))
 def _rsub(ctx, a, b, alpha=1):
-    return hlo.subtract(b, _scaled(ctx, a, alpha))
+    return hlo.subtract(b, builder.scaled(a, alpha))
 
 
 @register_lowering(aten.mul.Tensor, aten.mul.Scalar, promote=K.DEFAULT)
@@ -53,7 +48,7 @@ def _true_divide(ctx, a, b):
     return hlo.divide(a, b)
 
 
-def floor_divide(a, b):
+def floor_divide(a: ir.Value, b: ir.Value) -> ir.Value:
     """Division rounding toward -inf, as ``torch.div(..., rounding_mode="floor")``."""
     dtype = builder.dtype_of(a)
     shape = builder.shape_of(a)
@@ -83,13 +78,6 @@ def floor_divide(a, b):
     return builder.select(builder.compare(b, zero, "EQ"), plain, result)
 
 
-def trunc(value):
-    if not builder.dtype_of(value).is_floating_point:
-        return value
-    negative = builder.compare(value, builder.constant(0, builder.dtype_of(value), builder.shape_of(value)), "LT")
-    return builder.select(negative, hlo.ceil(value), hlo.floor(value))
-
-
 @register_lowering(aten.div.Tensor_mode, aten.div.Scalar_mode, promote=K.DEFAULT, operands=(0, 1))
 def _divide_with_mode(ctx, a, b, rounding_mode=None):
     if rounding_mode is None:
@@ -98,7 +86,7 @@ def _divide_with_mode(ctx, a, b, rounding_mode=None):
             return hlo.divide(builder.convert(a, dtype), builder.convert(b, dtype))
         return hlo.divide(a, b)
     if rounding_mode == "trunc":
-        return hlo.divide(a, b) if not builder.dtype_of(a).is_floating_point else trunc(hlo.divide(a, b))
+        return hlo.divide(a, b) if not builder.dtype_of(a).is_floating_point else builder.trunc(hlo.divide(a, b))
     return floor_divide(a, b)
 
 
@@ -285,38 +273,34 @@ def _bitcast(value, dtype):
     return hlo.bitcast_convert(tensor_type(builder.shape_of(value), dtype), value)
 
 
-def _int_constant(value, like):
-    return builder.constant(value, builder.dtype_of(like), builder.shape_of(like))
-
-
 @register_lowering(aten.copysign.Tensor, aten.copysign.Scalar, promote=K.INT_TO_FLOAT)
 def _copysign(ctx, a, b):
     """The magnitude of ``a`` with the sign bit of ``b`` (NaN and -0.0 included), as C's ``copysign``."""
     dtype = builder.dtype_of(a)
     bits = _SAME_WIDTH_INT[dtype]
     a_bits, b_bits = _bitcast(a, bits), _bitcast(b, bits)
-    sign = _int_constant(torch.iinfo(bits).min, a_bits)
-    magnitude = _int_constant(torch.iinfo(bits).max, a_bits)
+    sign = builder.constant_like(torch.iinfo(bits).min, a_bits)
+    magnitude = builder.constant_like(torch.iinfo(bits).max, a_bits)
     return _bitcast(hlo.or_(hlo.and_(a_bits, magnitude), hlo.and_(b_bits, sign)), dtype)
 
 
 def _ordered(bits):
     """Map float bit patterns to integers ordered as the floats are (-0.0 just below +0.0); an involution."""
     width = torch.iinfo(builder.dtype_of(bits)).bits
-    negative = hlo.shift_right_arithmetic(bits, _int_constant(width - 1, bits))
-    return hlo.xor(bits, hlo.and_(negative, _int_constant(torch.iinfo(builder.dtype_of(bits)).max, bits)))
+    negative = hlo.shift_right_arithmetic(bits, builder.constant_like(width - 1, bits))
+    return hlo.xor(bits, hlo.and_(negative, builder.constant_like(torch.iinfo(builder.dtype_of(bits)).max, bits)))
 
 
 def _is_nan_bits(bits, dtype):
     """NaN test on the bit pattern (float compares may treat subnormals as zero on some backends)."""
-    magnitude = hlo.and_(bits, _int_constant(torch.iinfo(builder.dtype_of(bits)).max, bits))
+    magnitude = hlo.and_(bits, builder.constant_like(torch.iinfo(builder.dtype_of(bits)).max, bits))
     infinity = _bitcast(builder.constant(float("inf"), dtype, builder.shape_of(bits)), builder.dtype_of(bits))
     return builder.compare(magnitude, infinity, "GT")
 
 
 def _is_zero_bits(bits):
-    magnitude = hlo.and_(bits, _int_constant(torch.iinfo(builder.dtype_of(bits)).max, bits))
-    return builder.compare(magnitude, _int_constant(0, bits), "EQ")
+    magnitude = hlo.and_(bits, builder.constant_like(torch.iinfo(builder.dtype_of(bits)).max, bits))
+    return builder.compare(magnitude, builder.constant_like(0, bits), "EQ")
 
 
 @register_lowering(aten.nextafter.default, promote=K.NO_OPMATH)
@@ -329,11 +313,11 @@ def _nextafter(ctx, a, b):
     bits = _SAME_WIDTH_INT[dtype]
     a_bits, b_bits = _bitcast(a, bits), _bitcast(b, bits)
     key_a, key_b = _ordered(a_bits), _ordered(b_bits)
-    one = _int_constant(1, a_bits)
+    one = builder.constant_like(1, a_bits)
     stepped = _ordered(builder.select(builder.compare(key_a, key_b, "LT"), hlo.add(key_a, one),
                                       hlo.subtract(key_a, one)))
     zero_a = _is_zero_bits(a_bits)
-    smallest = hlo.or_(hlo.and_(b_bits, _int_constant(torch.iinfo(bits).min, b_bits)), one)  # toward b from ±0
+    smallest = hlo.or_(hlo.and_(b_bits, builder.constant_like(torch.iinfo(bits).min, b_bits)), one)  # toward b from ±0
     result = builder.select(zero_a, smallest, stepped)
     equal = hlo.or_(builder.compare(a_bits, b_bits, "EQ"), hlo.and_(zero_a, _is_zero_bits(b_bits)))
     result = builder.select(equal, b_bits, result)
@@ -348,35 +332,35 @@ def _frexp(ctx, x):
     (subnormals normalised with a leading-zero count); 0, inf and NaN give themselves and exponent 0. As in
     ``nextafter``, every select is on the bits, never on floats, so that subnormals survive."""
     dtype = builder.dtype_of(x)
-    work = torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype  # exact widening
+    work = builder.accumulator_dtype(dtype)  # an exact widening
     value = builder.convert(x, work)
     bits_dtype = _SAME_WIDTH_INT[work]
     width = torch.iinfo(bits_dtype).bits
     mantissa_bits = _MANTISSA_BITS[work]
     bias_less_one = (1 << (width - mantissa_bits - 2)) - 2  # 126 for float32
     bits = _bitcast(value, bits_dtype)
-    shift = _int_constant(mantissa_bits, bits)
-    exponent_mask = _int_constant(((1 << (width - 1 - mantissa_bits)) - 1) << mantissa_bits, bits)
-    fraction_mask = _int_constant((1 << mantissa_bits) - 1, bits)
-    sign = hlo.and_(bits, _int_constant(torch.iinfo(bits_dtype).min, bits))
+    shift = builder.constant_like(mantissa_bits, bits)
+    exponent_mask = builder.constant_like(((1 << (width - 1 - mantissa_bits)) - 1) << mantissa_bits, bits)
+    fraction_mask = builder.constant_like((1 << mantissa_bits) - 1, bits)
+    sign = hlo.and_(bits, builder.constant_like(torch.iinfo(bits_dtype).min, bits))
     field = hlo.shift_right_logical(hlo.and_(bits, exponent_mask), shift)
     fraction = hlo.and_(bits, fraction_mask)
     # Subnormals: move the leading 1 of the fraction up to the implicit-bit position.
-    lead = hlo.subtract(hlo.count_leading_zeros(fraction), _int_constant(width - 1 - mantissa_bits, bits))
+    lead = hlo.subtract(hlo.count_leading_zeros(fraction), builder.constant_like(width - 1 - mantissa_bits, bits))
     normalised = hlo.and_(hlo.shift_left(fraction, lead), fraction_mask)
-    subnormal = builder.compare(field, _int_constant(0, field), "EQ")
+    subnormal = builder.compare(field, builder.constant_like(0, field), "EQ")
     fraction = builder.select(subnormal, normalised, fraction)
     exponent = builder.select(
         subnormal,
-        hlo.subtract(_int_constant(1 - bias_less_one, lead), lead),
-        hlo.subtract(field, _int_constant(bias_less_one, field)),
+        hlo.subtract(builder.constant_like(1 - bias_less_one, lead), lead),
+        hlo.subtract(field, builder.constant_like(bias_less_one, field)),
     )
-    mantissa_field = _int_constant(bias_less_one << mantissa_bits, bits)
+    mantissa_field = builder.constant_like(bias_less_one << mantissa_bits, bits)
     mantissa = hlo.or_(hlo.or_(sign, mantissa_field), fraction)
     all_ones = builder.compare(field, hlo.shift_right_logical(exponent_mask, shift), "EQ")  # inf and NaN
     special = hlo.or_(_is_zero_bits(bits), all_ones)
     mantissa = _bitcast(builder.select(special, bits, mantissa), work)
-    exponent = builder.select(special, _int_constant(0, exponent), exponent)
+    exponent = builder.select(special, builder.constant_like(0, exponent), exponent)
     return builder.convert(mantissa, dtype), builder.convert(exponent, torch.int32)
 
 

@@ -24,7 +24,6 @@ from jax.extend.mlir.dialects import stablehlo as hlo
 from tpucompile.errors import UnsupportedOpError
 from tpucompile.lowering import builder
 from tpucompile.lowering.registry import register_lowering
-from tpucompile.lowering.rules.scans import scan
 
 aten = torch.ops.aten
 Value = ir.Value
@@ -46,20 +45,6 @@ def _rows(table: Value, indices: Value) -> Value:
     return hlo.gather(table, indices, numbers, [1, *shape[1:]])
 
 
-def _scatter_rows(target: Value, rows: Value, updates: Value, combiner) -> Value:
-    """Combine ``updates[i]`` into ``target[rows[i]]`` (rows out of range are dropped)."""
-    rank = builder.rank_of(target)
-    numbers = hlo.ScatterDimensionNumbers.get(
-        update_window_dims=list(range(1, rank)),
-        inserted_window_dims=[0],
-        input_batching_dims=[],
-        scatter_indices_batching_dims=[],
-        scattered_dims_to_operand_dims=[0],
-        index_vector_dim=1,
-    )
-    return builder.scatter(target, rows, updates, numbers, combiner)
-
-
 def _column(vector: Value, width: int) -> Value:
     """A length-n vector stretched to ``[n, width]`` (one value per row)."""
     return builder.broadcast_in_dims(vector, (builder.shape_of(vector)[0], width), [0])
@@ -78,13 +63,9 @@ def bag_ids(offsets: Value, count: int) -> Value:
     starts = builder.reshape(starts, (builder.shape_of(starts)[0], 1))
     ones = builder.constant(1, torch.int64, (builder.shape_of(starts)[0],))
     marks = builder.constant(0, torch.int64, (count,))
-    marks = _scatter_rows(marks, starts, ones, hlo.add)
+    marks = builder.scatter_rows(marks, starts, ones, hlo.add)
     zero = builder.constant(0, torch.int64, ())
-    return scan([marks], [zero], 0, lambda acc, el: [hlo.add(acc[0], el[0])])[0]
-
-
-def _accumulator(dtype: torch.dtype) -> torch.dtype:
-    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+    return builder.scan([marks], [zero], 0, lambda acc, el: [hlo.add(acc[0], el[0])])[0]
 
 
 def _valid(indices: Value, bags: Value, num_bags: int, padding_idx: int) -> Value:
@@ -101,7 +82,7 @@ def _bag_sizes(bags: Value, valid: Value, num_bags: int) -> Value:
     count = builder.shape_of(bags)[0]
     ones = builder.convert(valid, torch.int64)
     sizes = builder.constant(0, torch.int64, (num_bags,))
-    return _scatter_rows(sizes, builder.reshape(bags, (count, 1)), ones, hlo.add)
+    return builder.scatter_rows(sizes, builder.reshape(bags, (count, 1)), ones, hlo.add)
 
 
 def _fit(value: Value, shape: Sequence[int], dtype: torch.dtype) -> Value:
@@ -125,7 +106,7 @@ def _forward(ctx, weight, indices, offsets, scale_grad_by_freq=False, mode=SUM, 
     num_bags, width = out_spec.shape
     count = builder.shape_of(indices)[0]
     dtype = builder.dtype_of(weight)
-    compute = _accumulator(dtype)
+    compute = builder.accumulator_dtype(dtype)
     index_dtype = builder.dtype_of(indices)
     if per_sample_weights is not None and mode != SUM:
         raise UnsupportedOpError("embedding_bag: per_sample_weights are only supported with mode='sum'")
@@ -142,7 +123,7 @@ def _forward(ctx, weight, indices, offsets, scale_grad_by_freq=False, mode=SUM, 
         if per_sample_weights is not None:
             contributions = hlo.multiply(rows, _column(builder.convert(per_sample_weights, compute), width))
         contributions = builder.select(keep, contributions, builder.constant(0, compute, (count, width)))
-        total = _scatter_rows(builder.constant(0, compute, (num_bags, width)), bag_rows, contributions, hlo.add)
+        total = builder.scatter_rows(builder.constant(0, compute, (num_bags, width)), bag_rows, contributions, hlo.add)
         if mode == MEAN:
             divisor = hlo.maximum(sizes, builder.constant(1, torch.int64, (num_bags,)))
             total = hlo.divide(total, _column(builder.convert(divisor, compute), width))
@@ -154,13 +135,13 @@ def _forward(ctx, weight, indices, offsets, scale_grad_by_freq=False, mode=SUM, 
                                   compute, (count, width))
         candidates = builder.select(keep, rows, lowest)
         start = builder.constant(builder.min_value(compute), compute, (num_bags, width))
-        best = _scatter_rows(start, bag_rows, candidates, hlo.maximum)
+        best = builder.scatter_rows(start, bag_rows, candidates, hlo.maximum)
         # The first position whose value reaches its bag's max gives the reported weight row.
         reached = hlo.and_(builder.compare(candidates, _rows(best, bags), "EQ"), keep)
         positions = builder.iota((count, width), torch.int64, 0)
         never = builder.constant(count, torch.int64, (count, width))
-        first = _scatter_rows(builder.constant(count, torch.int64, (num_bags, width)), bag_rows,
-                              builder.select(reached, positions, never), hlo.minimum)
+        first = builder.scatter_rows(builder.constant(count, torch.int64, (num_bags, width)), bag_rows,
+                                     builder.select(reached, positions, never), hlo.minimum)
         nonempty = _column(builder.compare(sizes, builder.constant(0, torch.int64, (num_bags,)), "GT"), width)
         found = builder.compare(first, builder.constant(count, torch.int64, (num_bags, width)), "LT")
         safe = builder.select(found, first, builder.constant(0, torch.int64, (num_bags, width)))
@@ -190,8 +171,8 @@ def _frequency_scale(indices: Value, num_weights: int, dtype: torch.dtype) -> Va
     """``1 / (how often indices[i] occurs in indices)`` per position (``scale_grad_by_freq``)."""
     count = builder.shape_of(indices)[0]
     rows = builder.reshape(indices, (count, 1))
-    counts = _scatter_rows(builder.constant(0, torch.int64, (num_weights,)), rows,
-                           builder.constant(1, torch.int64, (count,)), hlo.add)
+    counts = builder.scatter_rows(builder.constant(0, torch.int64, (num_weights,)), rows,
+                                  builder.constant(1, torch.int64, (count,)), hlo.add)
     mine = builder.convert(_rows(counts, indices), dtype)
     return hlo.divide(builder.constant(1, dtype, (count,)), mine)
 
@@ -201,7 +182,7 @@ def _backward(grad, indices, bags, bag_size, maximum_indices, num_weights, scale
     num_bags, width = builder.shape_of(grad)
     count = builder.shape_of(indices)[0]
     dtype = builder.dtype_of(grad)
-    compute = _accumulator(dtype)
+    compute = builder.accumulator_dtype(dtype)
     grad = builder.convert(grad, compute)
     result = builder.constant(0, compute, (num_weights, width))
     if mode == MAX:
@@ -236,7 +217,7 @@ def _backward(grad, indices, bags, bag_size, maximum_indices, num_weights, scale
     if scale is not None:
         per_position = hlo.multiply(per_position, _column(scale, width))
     per_position = builder.select(_column(valid, width), per_position, builder.constant(0, compute, (count, width)))
-    result = _scatter_rows(result, builder.reshape(indices, (count, 1)), per_position, hlo.add)
+    result = builder.scatter_rows(result, builder.reshape(indices, (count, 1)), per_position, hlo.add)
     return builder.convert(result, dtype)
 
 
@@ -269,12 +250,11 @@ def _per_sample_weights_backward(ctx, grad, weight, indices, offsets, offset2bag
         raise UnsupportedOpError("embedding_bag: per_sample_weights are only supported with mode='sum'")
     num_bags = builder.shape_of(grad)[0]
     count = builder.shape_of(indices)[0]
-    compute = _accumulator(builder.dtype_of(grad))
+    compute = builder.accumulator_dtype(builder.dtype_of(grad))
     bags = bag_ids(offsets, count)
     per_position = builder.convert(_rows(grad, bags), compute)
     products = hlo.multiply(per_position, builder.convert(_rows(weight, indices), compute))
-    zero = builder.constant(0, compute, ())
-    result = builder.reduce([products], [zero], [1], lambda acc, el: [hlo.add(acc[0], el[0])])[0]
+    result = builder.reduce_sum(products, [1])
     valid = _valid(indices, bags, num_bags, padding_idx)
     result = builder.select(valid, result, builder.constant(0, compute, (count,)))
     return builder.convert(result, ctx.aval_out.dtype)

@@ -144,10 +144,6 @@ def grid_sample(image, grid, mode: int, padding: int, align_corners: bool):
     return out
 
 
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
-
-
 def _check(mode: int, spatial: int) -> None:
     if mode not in (BILINEAR, NEAREST, BICUBIC):
         raise UnsupportedOpError(f"grid_sampler with interpolation_mode={mode} is not supported")
@@ -158,7 +154,7 @@ def _check(mode: int, spatial: int) -> None:
 def _forward(ctx, image, grid, mode, padding, align_corners):
     _check(mode, builder.rank_of(image) - 2)
     out_dtype = ctx.aval_out.dtype
-    work = _compute_dtype(out_dtype)
+    work = builder.accumulator_dtype(out_dtype)
     image, grid = builder.convert(image, work), builder.convert(grid, work)
 
     def fn(x, g):
@@ -184,7 +180,7 @@ def _grid_sampler_backward(ctx, grad, image, grid, interpolation_mode, padding_m
     mode, padding, corners = interpolation_mode, padding_mode, bool(align_corners)
     wanted = [bool(m) and s is not None for m, s in zip(output_mask, specs, strict=True)]
     computed = [wanted[0], wanted[1] and mode != NEAREST]
-    work = _compute_dtype(builder.dtype_of(grad))
+    work = builder.accumulator_dtype(builder.dtype_of(grad))
     image_shape = builder.shape_of(image)
     grad, image, grid = (builder.convert(v, work) for v in (grad, image, grid))
     operands = [grad, grid] + ([image] if computed[1] else [])

@@ -20,7 +20,6 @@ from jax.extend.mlir.dialects import stablehlo as hlo
 from tpucompile.errors import UnsupportedOpError
 from tpucompile.lowering import builder, jax_bridge
 from tpucompile.lowering.registry import register_lowering
-from tpucompile.lowering.rules.scans import scan
 
 aten = torch.ops.aten
 Value = ir.Value
@@ -61,18 +60,6 @@ def _minimum(current: Value, update: Value) -> Value:
 # --- shared pieces ------------------------------------------------------------------------------------------
 
 
-def _wrap_negative(index: Value, size: int) -> Value:
-    """``index + size`` where ``index < 0``: PyTorch's negative indexing, which XLA does not have."""
-    dtype, shape = builder.dtype_of(index), builder.shape_of(index)
-    negative = builder.compare(index, builder.constant(0, dtype, shape), "LT")
-    return builder.select(negative, hlo.add(index, builder.constant(size, dtype, shape)), index)
-
-
-def _at_least_1d(value: Value) -> Value:
-    """0-d operands of gather/scatter-style ops act as 1-element vectors; the caller reshapes back."""
-    return builder.reshape(value, (1,)) if builder.rank_of(value) == 0 else value
-
-
 @dataclasses.dataclass(frozen=True)
 class _Advanced:
     """How a list of optional index tensors addresses an operand (PyTorch advanced indexing).
@@ -108,7 +95,7 @@ def _advanced(x: Value, indices: Sequence[Value | None]) -> _Advanced | None:
     batch_shape = tuple(torch.broadcast_shapes(*(builder.shape_of(t) for t in tensors)))
     columns = []
     for d, tensor in zip(positions, tensors, strict=True):
-        column = _wrap_negative(builder.convert(tensor, index_dtype), shape[d])
+        column = builder.wrap_negative(builder.convert(tensor, index_dtype), shape[d])
         columns.append(builder.reshape(builder.broadcast_to(column, batch_shape), (*batch_shape, 1)))
     starts = builder.concatenate(columns, len(batch_shape))
     adjacent = positions == list(range(positions[0], positions[-1] + 1))
@@ -157,37 +144,6 @@ def _put(x: Value, indices: Sequence[Value | None], values: Value, combiner: Com
     return builder.scatter(x, advanced.starts, updates, numbers, combiner)
 
 
-def _coordinates(index: Value, dim: int, size: int) -> Value:
-    """Full start indices for ``torch.gather``-style ops: position ``p`` of ``index`` addresses the operand
-    element ``p`` with ``p[dim]`` replaced by ``index[p]``. Shape: ``index.shape + [rank]``."""
-    shape = builder.shape_of(index)
-    columns = []
-    for d in range(len(shape)):
-        column = _wrap_negative(index, size) if d == dim else builder.iota(shape, builder.dtype_of(index), d)
-        columns.append(builder.reshape(column, (*shape, 1)))
-    return builder.concatenate(columns, len(shape))
-
-
-def _pointwise_gather(x: Value, dim: int, index: Value) -> Value:
-    """``torch.gather(x, dim, index)`` on operands of rank >= 1."""
-    rank = builder.rank_of(x)
-    starts = _coordinates(index, dim, builder.shape_of(x)[dim])
-    numbers = hlo.GatherDimensionNumbers.get(
-        offset_dims=[],
-        collapsed_slice_dims=list(range(rank)),
-        operand_batching_dims=[],
-        start_indices_batching_dims=[],
-        start_index_map=list(range(rank)),
-        index_vector_dim=rank,
-    )
-    return hlo.gather(x, starts, numbers, [1] * rank)
-
-
-def take_along(x: Value, dim: int, index: Value) -> Value:
-    """``torch.gather(x, dim, index)`` (``index`` int32/int64, no negative entries) for rank >= 1 operands."""
-    return _pointwise_gather(x, dim, index)
-
-
 def _pointwise_scatter(x: Value, dim: int, index: Value, src: Value, combiner: Combiner) -> Value:
     """``torch.scatter``-style update of ``x`` on operands of rank >= 1; only ``src[:index.shape]`` is used."""
     rank = builder.rank_of(x)
@@ -195,7 +151,7 @@ def _pointwise_scatter(x: Value, dim: int, index: Value, src: Value, combiner: C
     src = builder.convert(src, builder.dtype_of(x))
     if builder.shape_of(src) != index_shape:
         src = builder.slice_static(src, [0] * rank, index_shape, [1] * rank)
-    starts = _coordinates(index, dim, builder.shape_of(x)[dim])
+    starts = builder.index_coordinates(index, dim, builder.shape_of(x)[dim])
     numbers = hlo.ScatterDimensionNumbers.get(
         update_window_dims=[],
         inserted_window_dims=list(range(rank)),
@@ -234,7 +190,7 @@ def _masked_take(x: Value, position: int, mask: Value, out_shape: Sequence[int])
     mask = builder.convert(mask, torch.bool)
     mask_shape = builder.shape_of(mask)
     k = len(mask_shape)
-    size = _numel(mask_shape)
+    size = builder.numel(mask_shape)
     count = out_shape[position]
     flat_mask = builder.reshape(mask, (size,))
     slot = builder.select(flat_mask, _rank_among_true(flat_mask), builder.constant(count, torch.int64, (size,)))
@@ -281,7 +237,7 @@ def _masked_put(x: Value, position: int, mask: Value, values: Value, combiner: C
         kept = [*range(position), *range(position + k, len(shape))]
         full = builder.broadcast_in_dims(values, shape, kept) if kept else builder.broadcast_to(values, shape)
     else:
-        flat_mask = builder.reshape(mask, (_numel(mask_shape),))
+        flat_mask = builder.reshape(mask, (builder.numel(mask_shape),))
         source = _clamped_rank(flat_mask, rows)
         values = builder.broadcast_to(values, (*before, rows, *after))
         taken = _take(values, [None] * position + [source])
@@ -294,7 +250,7 @@ def _rank_among_true(mask: Value) -> Value:
     """For a 1-d bool ``mask``: how many True entries come before each position (int64)."""
     ones = builder.convert(mask, torch.int64)
     zero = builder.constant(0, torch.int64)
-    (inclusive,) = scan([ones], [zero], 0, lambda acc, el: [hlo.add(acc[0], el[0])])
+    (inclusive,) = builder.scan([ones], [zero], 0, lambda acc, el: [hlo.add(acc[0], el[0])])
     return hlo.subtract(inclusive, ones)
 
 
@@ -308,7 +264,7 @@ def _clamped_rank(mask: Value, count: int) -> Value:
 
 @register_lowering(aten.index_select.default)
 def _index_select(ctx, x, dim, index):
-    x = _at_least_1d(x)
+    x = builder.at_least_1d(x)
     dim %= builder.rank_of(x)
     index = builder.reshape(index, (ctx.aval_out.shape[dim] if ctx.aval_out.rank else 1,))
     return builder.reshape(_take(x, [None] * dim + [index]), ctx.aval_out.shape)
@@ -319,8 +275,8 @@ def _take_flat(ctx, x, index):
     """``torch.take``: ``x`` read as if flattened (PyTorch's decomposition turns a 0-d index into ``.item()``)."""
     if 0 in ctx.aval_out.shape:
         return builder.constant(0, ctx.aval_out.dtype, ctx.aval_out.shape)
-    flat = builder.reshape(x, (_numel(builder.shape_of(x)),))
-    positions = builder.reshape(index, (_numel(builder.shape_of(index)),))
+    flat = builder.reshape(x, (builder.numel(builder.shape_of(x)),))
+    positions = builder.reshape(index, (builder.numel(builder.shape_of(index)),))
     return builder.reshape(_take(flat, [positions]), ctx.aval_out.shape)
 
 
@@ -350,10 +306,10 @@ def _embedding_renorm(ctx, weight, indices, max_norm, norm_type):
 def _slices_along(x: Value, dim: int, index: Value) -> tuple[Value, int, Value, tuple[int, ...]]:
     """For updates of whole slices of ``x`` along ``dim``: ``x`` (at least 1-d), ``dim`` made positive, the
     flattened ``index``, and the shape the updates have (``x``'s, with ``dim`` sized by the index)."""
-    x = _at_least_1d(x)
+    x = builder.at_least_1d(x)
     shape = builder.shape_of(x)
     dim %= len(shape)
-    count = _numel(builder.shape_of(index))
+    count = builder.numel(builder.shape_of(index))
     index = builder.reshape(index, (count,))
     return x, dim, index, (*shape[:dim], count, *shape[dim + 1 :])
 
@@ -371,10 +327,7 @@ def _index_update(ctx, x, dim, index, source, combiner: Combiner, fill: bool = F
 
 @register_lowering(aten.index_add.default)
 def _index_add(ctx, x, dim, index, source, alpha=1):
-    if alpha != 1:
-        dtype = builder.dtype_of(source)
-        source = hlo.multiply(source, builder.constant(alpha, dtype, builder.shape_of(source)))
-    return _index_update(ctx, x, dim, index, source, _add)
+    return _index_update(ctx, x, dim, index, builder.scaled(source, alpha), _add)
 
 
 @register_lowering(aten.index_copy.default)
@@ -392,26 +345,19 @@ def _index_fill(ctx, x, dim, index, value):
 
 @register_lowering(aten.gather.default)
 def _gather(ctx, x, dim, index, sparse_grad=False):
-    if _numel(ctx.aval_out.shape) == 0:  # an empty index may have any rank (torch only checks non-empty ones)
+    if builder.numel(ctx.aval_out.shape) == 0:  # an empty index may have any rank (torch only checks non-empty ones)
         return builder.constant(0, ctx.aval_out.dtype, ctx.aval_out.shape)
-    x, index = _at_least_1d(x), _at_least_1d(index)
+    x, index = builder.at_least_1d(x), builder.at_least_1d(index)
     dim %= builder.rank_of(x)
-    return builder.reshape(_pointwise_gather(x, dim, index), ctx.aval_out.shape)
-
-
-def _numel(shape: Sequence[int]) -> int:
-    count = 1
-    for s in shape:
-        count *= s
-    return count
+    return builder.reshape(builder.take_along(x, dim, index), ctx.aval_out.shape)
 
 
 def _scatter_with(ctx, x, dim, index, src, combiner: Combiner) -> Value:
-    x, index = _at_least_1d(x), _at_least_1d(index)
+    x, index = builder.at_least_1d(x), builder.at_least_1d(index)
     dim %= builder.rank_of(x)
     if not isinstance(src, ir.Value):
         src = builder.constant(src, builder.dtype_of(x), builder.shape_of(index))
-    src = _at_least_1d(src)
+    src = builder.at_least_1d(src)
     return builder.reshape(_pointwise_scatter(x, dim, index, src, combiner), ctx.aval_out.shape)
 
 
@@ -442,7 +388,7 @@ def _scatter_reduce(ctx, x, dim, index, src, reduce, include_self=True):
     combiners = {"sum": _add, "mean": _add, "prod": _multiply, "amax": _maximum, "amin": _minimum}
     if reduce not in combiners:
         raise UnsupportedOpError(f"scatter_reduce with reduce={reduce!r} is not supported")
-    x, index, src = _at_least_1d(x), _at_least_1d(index), _at_least_1d(src)
+    x, index, src = builder.at_least_1d(x), builder.at_least_1d(index), builder.at_least_1d(src)
     dim %= builder.rank_of(x)
     shape, index_shape = builder.shape_of(x), builder.shape_of(index)
     base = x
@@ -565,8 +511,8 @@ def _index_reduce(ctx, x, dim, index, source, reduce, include_self=True):
 def _put_flat(ctx, x, index, source, accumulate=False):
     """``Tensor.put``: ``x`` seen as a flat vector, updated at ``index`` (negative indices wrap)."""
     shape = builder.shape_of(x)
-    size = _numel(shape)
-    count = _numel(builder.shape_of(index))
+    size = builder.numel(shape)
+    count = builder.numel(builder.shape_of(index))
     flat = builder.reshape(x, (size,))
     index = builder.reshape(index, (count,))
     source = builder.reshape(source, (count,))
@@ -579,10 +525,10 @@ def _masked_scatter(ctx, x, mask, source):
     """Each True position of ``mask`` (row-major) takes the next element of ``source``: the element whose
     index is the number of True positions before it (a prefix sum), gathered from the flattened source."""
     shape, dtype = ctx.aval_out.shape, ctx.aval_out.dtype
-    size = _numel(shape)
+    size = builder.numel(shape)
     x = builder.reshape(builder.broadcast_to(builder.convert(x, dtype), shape), (size,))
     mask = builder.reshape(builder.broadcast_to(builder.convert(mask, torch.bool), shape), (size,))
-    available = _numel(builder.shape_of(source))
+    available = builder.numel(builder.shape_of(source))
     if available == 0 or size == 0:
         return builder.reshape(x, shape)
     source = builder.reshape(builder.convert(source, dtype), (available,))
@@ -596,8 +542,8 @@ def _masked_scatter_backward(ctx, grad, mask, sizes):
     element i, the rest of the source gets zeros. Lanes that are False go to a spare slot, then dropped."""
     shape = builder.shape_of(grad)
     dtype = builder.dtype_of(grad)
-    size = _numel(shape)
-    available = _numel(ctx.aval_out.shape)
+    size = builder.numel(shape)
+    available = builder.numel(ctx.aval_out.shape)
     grad = builder.reshape(grad, (size,))
     mask = builder.reshape(builder.broadcast_to(builder.convert(mask, torch.bool), shape), (size,))
     target = builder.select(mask, _rank_among_true(mask), builder.constant(available, torch.int64, (size,)))
@@ -613,7 +559,7 @@ def _nonzero_static(ctx, x, *, size, fill_value=-1):
     shape = builder.shape_of(x)
     rank = len(shape)
     out_shape = ctx.aval_out.shape
-    numel = _numel(shape)
+    numel = builder.numel(shape)
     if rank == 0 or numel == 0 or size == 0:  # no coordinates to write (a 0-d input has rows of width 0)
         return builder.constant(fill_value, torch.int64, out_shape)
     flat = builder.reshape(builder.convert(x, torch.bool), (numel,))

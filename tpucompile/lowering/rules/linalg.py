@@ -15,13 +15,12 @@ Products and distances are StableHLO compositions: ``addbmm`` and ``_trilinear``
 ``dot_general``s; ``_cdist_forward``, ``_pdist_forward`` and ``dist`` compute p-norms of differences as
 PyTorch's kernels do (``cdist`` with p = 2 takes the matrix-product form ``|x|^2 - 2 x.y + |y|^2`` where
 PyTorch does: ``compute_mode`` 1, or 0 with more than 25 rows), and their backward kernels use PyTorch's per-p
-formulas (zero where a distance is zero). Decompositions are in ``linalg_decompositions.py``.
+formulas (zero where a distance is zero). Matrix factorisations (SVD, eigh, QR, LDL^T) are in ``factorizations.py``.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Sequence
 
 import torch
@@ -38,10 +37,6 @@ Value = ir.Value
 
 
 # --- native StableHLO ---------------------------------------------------------------------------------------
-
-
-def _numel(shape: Sequence[int]) -> int:
-    return math.prod(shape)
 
 
 def _triangle(x: Value, lower: bool) -> Value:
@@ -97,7 +92,7 @@ def _jax_cholesky_info(a, upper: bool):
 
 @register_lowering(aten.linalg_cholesky_ex.default)
 def _linalg_cholesky_ex(ctx, a, *, upper=False, check_errors=False):
-    if _numel(builder.shape_of(a)) == 0:
+    if builder.numel(builder.shape_of(a)) == 0:
         return [builder.constant(0, spec.dtype, spec.shape) for spec in ctx.avals_out]
     fn = functools.partial(_jax_cholesky_info, upper=upper)
     info = jax_bridge.call("cholesky_info", fn, [a], [ctx.avals_out[1]], params=(upper,))[0]
@@ -137,12 +132,7 @@ def _cholesky_solve(ctx, b, factor, upper=False):
 
 @register_lowering(aten.cholesky_inverse.default)
 def _cholesky_inverse(ctx, factor, upper=False):
-    shape = builder.shape_of(factor)
-    rank = len(shape)
-    eye = builder.convert(
-        builder.compare(builder.iota(shape, torch.int64, rank - 2), builder.iota(shape, torch.int64, rank - 1), "EQ"),
-        builder.dtype_of(factor),
-    )
+    eye = builder.eye(builder.shape_of(factor), builder.dtype_of(factor))
     return _cholesky_solve(ctx, eye, factor, upper)
 
 
@@ -189,10 +179,6 @@ def _permutation_from_pivots(pivots, m: int):
     return lax.linalg.lu_pivots_to_permutation(pivots - 1, m)
 
 
-def _specs(ctx) -> list[TensorSpec]:
-    return list(ctx.avals_out)
-
-
 def _jax_inv(a):
     import jax.numpy as jnp
 
@@ -211,7 +197,7 @@ def _empty_matrix_results(ctx, a, fills: tuple[float, ...]):
 
 @register_lowering(aten.linalg_inv_ex.default)
 def _linalg_inv_ex(ctx, a, *, check_errors=False):
-    return _empty_matrix_results(ctx, a, (0, 0)) or jax_bridge.call("linalg_inv_ex", _jax_inv, [a], _specs(ctx))
+    return _empty_matrix_results(ctx, a, (0, 0)) or jax_bridge.call("linalg_inv_ex", _jax_inv, [a], list(ctx.avals_out))
 
 
 def _jax_lu_factor(a):
@@ -223,7 +209,7 @@ def _jax_lu_factor(a):
 def _linalg_lu_factor_ex(ctx, a, *, pivot=True, check_errors=False):
     if not pivot:
         raise UnsupportedOpError("linalg.lu_factor with pivot=False is not supported (nor by PyTorch on CPU)")
-    return jax_bridge.call("linalg_lu_factor_ex", _jax_lu_factor, [a], _specs(ctx))
+    return jax_bridge.call("linalg_lu_factor_ex", _jax_lu_factor, [a], list(ctx.avals_out))
 
 
 def _unpack(lu, permutation, dtype):
@@ -247,7 +233,7 @@ def _jax_linalg_lu(a):
 def _linalg_lu(ctx, a, *, pivot=True):
     if not pivot:
         raise UnsupportedOpError("linalg.lu with pivot=False is not supported (nor by PyTorch on CPU)")
-    return jax_bridge.call("linalg_lu", _jax_linalg_lu, [a], _specs(ctx))
+    return jax_bridge.call("linalg_lu", _jax_linalg_lu, [a], list(ctx.avals_out))
 
 
 def _jax_lu_unpack(lu, pivots):
@@ -256,7 +242,7 @@ def _jax_lu_unpack(lu, pivots):
 
 @register_lowering(aten.lu_unpack.default)
 def _lu_unpack(ctx, lu, pivots, unpack_data=True, unpack_pivots=True):
-    specs = _specs(ctx)
+    specs = list(ctx.avals_out)
     m, n = builder.shape_of(lu)[-2:]
     k = min(m, n)
     batch = builder.shape_of(lu)[:-2]
@@ -284,10 +270,10 @@ def _jax_lu_solve_op(lu, pivots, b, left: bool, adjoint: bool):
 @register_lowering(aten.linalg_lu_solve.default)
 def _linalg_lu_solve(ctx, lu, pivots, b, *, left=True, adjoint=False):
     spec = ctx.aval_out
-    if _numel(spec.shape) == 0:
+    if builder.numel(spec.shape) == 0:
         return builder.constant(0, spec.dtype, spec.shape)
     fn = functools.partial(_jax_lu_solve_op, left=left, adjoint=adjoint)
-    return jax_bridge.call("linalg_lu_solve", fn, [lu, pivots, b], _specs(ctx), params=(left, adjoint))[0]
+    return jax_bridge.call("linalg_lu_solve", fn, [lu, pivots, b], list(ctx.avals_out), params=(left, adjoint))[0]
 
 
 def _jax_solve(a, b, left: bool, vector: bool):
@@ -315,16 +301,16 @@ def _linalg_solve_ex(ctx, a, b, *, left=True, check_errors=False):
     # The LU is of A, as eager's is (whatever A's layout): the backward graph solves with it through
     # linalg_lu_solve(..., adjoint=True), which gives A^-T only for the LU of A.
     x_spec, lu_spec, pivots_spec, info_spec = ctx.avals_out
-    if _numel(x_spec.shape) == 0:
+    if builder.numel(x_spec.shape) == 0:
         # Nothing to solve for (no rows, no right-hand sides or an empty batch): still A's factorisation.
-        if _numel(lu_spec.shape) == 0:
+        if builder.numel(lu_spec.shape) == 0:
             return [builder.constant(0, spec.dtype, spec.shape) for spec in ctx.avals_out]
         a = builder.broadcast_to(a, lu_spec.shape)
         factors = jax_bridge.call("linalg_lu_factor_ex", _jax_lu_factor, [a], [lu_spec, pivots_spec, info_spec])
         return [builder.constant(0, x_spec.dtype, x_spec.shape), *factors]
     vector = _is_vector_rhs(builder.shape_of(a), builder.shape_of(b))
     fn = functools.partial(_jax_solve, left=left, vector=vector)
-    return jax_bridge.call("linalg_solve_ex", fn, [a, b], _specs(ctx), params=(left, vector))
+    return jax_bridge.call("linalg_solve_ex", fn, [a, b], list(ctx.avals_out), params=(left, vector))
 
 
 def _jax_det_parts(a, transposed: bool):
@@ -366,7 +352,7 @@ def _linalg_det(ctx, a):
     transposed = _factors_transpose(ctx)
     fn = functools.partial(_jax_det, transposed=transposed)
     empty = _empty_matrix_results(ctx, a, (1, 0, 0))
-    return empty or jax_bridge.call("linalg_det", fn, [a], _specs(ctx), params=(transposed,))
+    return empty or jax_bridge.call("linalg_det", fn, [a], list(ctx.avals_out), params=(transposed,))
 
 
 @register_lowering(aten._linalg_slogdet.default)
@@ -374,7 +360,7 @@ def _linalg_slogdet(ctx, a):
     transposed = _factors_transpose(ctx)
     fn = functools.partial(_jax_slogdet, transposed=transposed)
     empty = _empty_matrix_results(ctx, a, (1, 0, 0, 0))
-    return empty or jax_bridge.call("linalg_slogdet", fn, [a], _specs(ctx), params=(transposed,))
+    return empty or jax_bridge.call("linalg_slogdet", fn, [a], list(ctx.avals_out), params=(transposed,))
 
 
 # --- the error-check effect ---------------------------------------------------------------------------------
@@ -407,71 +393,47 @@ def _sink_tokens(ctx, tokens):
 # --- products and distances ---------------------------------------------------------------------------------
 
 
-def _accumulator(dtype: torch.dtype) -> torch.dtype:
-    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
-
-
-def _splat(value: float, like: Value) -> Value:
-    return builder.constant(value, builder.dtype_of(like), builder.shape_of(like))
-
-
-def _sum(x: Value, dims: Sequence[int]) -> Value:
-    if not dims:
-        return x
-    zero = builder.constant(0, builder.dtype_of(x), ())
-    return builder.reduce([x], [zero], dims, lambda acc, el: [hlo.add(acc[0], el[0])])[0]
-
-
-def _max(x: Value, dims: Sequence[int]) -> Value:
-    init = builder.constant(float("-inf"), builder.dtype_of(x), ())
-    return builder.reduce([x], [init], dims, lambda acc, el: [hlo.maximum(acc[0], el[0])])[0]
-
-
-def _min(x: Value, dims: Sequence[int]) -> Value:
-    init = builder.constant(float("inf"), builder.dtype_of(x), ())
-    return builder.reduce([x], [init], dims, lambda acc, el: [hlo.minimum(acc[0], el[0])])[0]
-
-
 def _p_norm(diff: Value, p: float, dims: Sequence[int]) -> Value:
     """The p-norm of ``diff`` over ``dims``, as PyTorch's distance kernels compute it (p = 0 counts nonzeros)."""
     magnitude = hlo.abs(diff)
     if p == 0:
-        return _sum(builder.convert(builder.compare(diff, _splat(0, diff), "NE"), builder.dtype_of(diff)), dims)
+        nonzero = builder.compare(diff, builder.constant_like(0, diff), "NE")
+        return builder.reduce_sum(builder.convert(nonzero, builder.dtype_of(diff)), dims)
     if p == 1:
-        return _sum(magnitude, dims)
+        return builder.reduce_sum(magnitude, dims)
     if p == 2:
-        return hlo.sqrt(_sum(hlo.multiply(diff, diff), dims))
+        return hlo.sqrt(builder.reduce_sum(hlo.multiply(diff, diff), dims))
     if p == float("inf"):
-        return _max(magnitude, dims)
+        return builder.reduce_max(magnitude, dims)
     if p == float("-inf"):
-        return _min(magnitude, dims)
-    total = _sum(hlo.power(magnitude, _splat(p, magnitude)), dims)
-    return hlo.power(total, _splat(1.0 / p, total))
+        return builder.reduce_min(magnitude, dims)
+    total = builder.reduce_sum(hlo.power(magnitude, builder.constant_like(p, magnitude)), dims)
+    return hlo.power(total, builder.constant_like(1.0 / p, total))
 
 
 def _distance_grad(diff: Value, grad: Value, dist: Value, p: float) -> Value:
     """d dist / d x1 times the incoming gradient, elementwise (``diff = x1 - x2``; ``grad`` and ``dist`` broadcast
     along the vector dim): PyTorch's per-p backward formulas, zero where the distance is zero."""
-    zero = _splat(0, diff)
+    zero = builder.constant_like(0, diff)
     sign = hlo.sign(diff)
     if p == 0:
         return zero
     if p == 1:
         return hlo.multiply(sign, grad)
-    at_zero = builder.compare(dist, _splat(0, dist), "EQ")
+    at_zero = builder.compare(dist, builder.constant_like(0, dist), "EQ")
     if p == float("inf"):
         hit = builder.convert(builder.compare(hlo.abs(diff), dist, "EQ"), builder.dtype_of(diff))
         return hlo.multiply(hlo.multiply(grad, sign), hit)
     if p == 2:
         value = hlo.divide(hlo.multiply(grad, diff), dist)
     elif p < 2:
-        scaled = hlo.multiply(hlo.multiply(sign, hlo.power(hlo.abs(diff), _splat(p - 1, diff))), grad)
-        value = hlo.divide(scaled, hlo.power(dist, _splat(p - 1, dist)))
+        scaled = hlo.multiply(hlo.multiply(sign, hlo.power(hlo.abs(diff), builder.constant_like(p - 1, diff))), grad)
+        value = hlo.divide(scaled, hlo.power(dist, builder.constant_like(p - 1, dist)))
         if p < 1:
             at_zero = hlo.or_(at_zero, builder.compare(diff, zero, "EQ"))
     else:
-        scaled = hlo.multiply(hlo.multiply(diff, hlo.power(hlo.abs(diff), _splat(p - 2, diff))), grad)
-        value = hlo.divide(scaled, hlo.power(dist, _splat(p - 1, dist)))
+        scaled = hlo.multiply(hlo.multiply(diff, hlo.power(hlo.abs(diff), builder.constant_like(p - 2, diff))), grad)
+        value = hlo.divide(scaled, hlo.power(dist, builder.constant_like(p - 1, dist)))
     return builder.select(at_zero, zero, value)
 
 
@@ -495,13 +457,14 @@ def _euclidean_dist(x1: Value, x2: Value) -> Value:
     """PyTorch's matrix-product form: ``[-2 x1, |x1|^2, 1] @ [x2, 1, |x2|^2]^T``, clamped at 0, square-rooted."""
     shape1, shape2 = builder.shape_of(x1), builder.shape_of(x2)
     rank = len(shape1)
-    norm1 = builder.reshape(_sum(hlo.multiply(x1, x1), [rank - 1]), (*shape1[:-1], 1))
-    norm2 = builder.reshape(_sum(hlo.multiply(x2, x2), [rank - 1]), (*shape2[:-1], 1))
-    left = builder.concatenate([hlo.multiply(x1, _splat(-2, x1)), norm1, _splat(1, norm1)], rank - 1)
-    right = builder.concatenate([x2, _splat(1, norm2), norm2], rank - 1)
+    norm1 = builder.reshape(builder.reduce_sum(hlo.multiply(x1, x1), [rank - 1]), (*shape1[:-1], 1))
+    norm2 = builder.reshape(builder.reduce_sum(hlo.multiply(x2, x2), [rank - 1]), (*shape2[:-1], 1))
+    minus_two_x1 = hlo.multiply(x1, builder.constant_like(-2, x1))
+    left = builder.concatenate([minus_two_x1, norm1, builder.constant_like(1, norm1)], rank - 1)
+    right = builder.concatenate([x2, builder.constant_like(1, norm2), norm2], rank - 1)
     batch = list(range(rank - 2))
     product = builder.dot_general(left, right, ([rank - 1], [rank - 1]), (batch, batch))
-    return hlo.sqrt(hlo.maximum(product, _splat(0, product)))
+    return hlo.sqrt(hlo.maximum(product, builder.constant_like(0, product)))
 
 
 def _uses_mm(p: float, mode: int | None, r1: int, r2: int) -> bool:
@@ -513,7 +476,7 @@ def _cdist_forward(ctx, x1, x2, p, compute_mode=None):
     spec = ctx.aval_out
     if 0 in spec.shape or builder.shape_of(x1)[-1] == 0:
         return builder.constant(0, spec.dtype, spec.shape)
-    acc = _accumulator(spec.dtype)
+    acc = builder.accumulator_dtype(spec.dtype)
     x1, x2 = _pairwise_batch(builder.convert(x1, acc), builder.convert(x2, acc))
     r1, r2 = builder.shape_of(x1)[-2], builder.shape_of(x2)[-2]
     if _uses_mm(p, compute_mode, r1, r2):
@@ -528,9 +491,9 @@ def _cdist_forward(ctx, x1, x2, p, compute_mode=None):
 def _cdist_backward(ctx, grad, x1, x2, p, cdist):
     """The gradient for x1, with the batch dims of the broadcast (as PyTorch's kernel returns it)."""
     spec = ctx.aval_out
-    if _numel(spec.shape) == 0 or _numel(builder.shape_of(x2)) == 0:
+    if builder.numel(spec.shape) == 0 or builder.numel(builder.shape_of(x2)) == 0:
         return builder.constant(0, spec.dtype, spec.shape)
-    acc = _accumulator(spec.dtype)
+    acc = builder.accumulator_dtype(spec.dtype)
     x1, x2 = _pairwise_batch(builder.convert(x1, acc), builder.convert(x2, acc))
     diff = _pairwise_diff(x1, x2)
     shape = builder.shape_of(diff)
@@ -538,7 +501,7 @@ def _cdist_backward(ctx, grad, x1, x2, p, cdist):
     along = [*range(rank - 1)]
     grad = builder.broadcast_in_dims(builder.convert(grad, acc), shape, along)
     dist = builder.broadcast_in_dims(builder.convert(cdist, acc), shape, along)
-    result = _sum(_distance_grad(diff, grad, dist, p), [rank - 2])
+    result = builder.reduce_sum(_distance_grad(diff, grad, dist, p), [rank - 2])
     return builder.convert(builder.broadcast_to(result, spec.shape), spec.dtype)
 
 
@@ -561,25 +524,13 @@ def _take_rows(x: Value, indices: Value) -> Value:
     return hlo.gather(x, indices, numbers, [1, shape[1]])
 
 
-def _add_rows(target: Value, indices: Value, updates: Value) -> Value:
-    numbers = hlo.ScatterDimensionNumbers.get(
-        update_window_dims=[1],
-        inserted_window_dims=[0],
-        input_batching_dims=[],
-        scatter_indices_batching_dims=[],
-        scattered_dims_to_operand_dims=[0],
-        index_vector_dim=1,
-    )
-    return builder.scatter(target, indices, updates, numbers, hlo.add)
-
-
 @register_lowering(aten._pdist_forward.default)
 def _pdist_forward(ctx, x, p=2.0):
     spec = ctx.aval_out
     n, m = builder.shape_of(x)
     if spec.shape[0] == 0 or m == 0:
         return builder.constant(0, spec.dtype, spec.shape)
-    x = builder.convert(x, _accumulator(spec.dtype))
+    x = builder.convert(x, builder.accumulator_dtype(spec.dtype))
     first, second = _upper_pairs(n)
     diff = hlo.subtract(_take_rows(x, first), _take_rows(x, second))
     return builder.convert(_p_norm(diff, p, [1]), spec.dtype)
@@ -592,7 +543,7 @@ def _pdist_backward(ctx, grad, x, p, pdist):
     pairs = builder.shape_of(pdist)[0]
     if pairs == 0 or m == 0:
         return builder.constant(0, spec.dtype, spec.shape)
-    acc = _accumulator(spec.dtype)
+    acc = builder.accumulator_dtype(spec.dtype)
     x = builder.convert(x, acc)
     first, second = _upper_pairs(n)
     diff = hlo.subtract(_take_rows(x, first), _take_rows(x, second))
@@ -600,38 +551,32 @@ def _pdist_backward(ctx, grad, x, p, pdist):
     grad = builder.broadcast_in_dims(builder.convert(grad, acc), shape, [0])
     dist = builder.broadcast_in_dims(builder.convert(pdist, acc), shape, [0])
     contribution = _distance_grad(diff, grad, dist, p)
-    result = _add_rows(builder.constant(0, acc, (n, m)), first, contribution)
-    result = _add_rows(result, second, hlo.negate(contribution))
+    result = builder.scatter_rows(builder.constant(0, acc, (n, m)), first, contribution, hlo.add)
+    result = builder.scatter_rows(result, second, hlo.negate(contribution), hlo.add)
     return builder.convert(result, spec.dtype)
 
 
 @register_lowering(aten.dist.default)
 def _dist(ctx, a, b, p=2):
     spec = ctx.aval_out
-    acc = _accumulator(spec.dtype)
+    acc = builder.accumulator_dtype(spec.dtype)
     a, b = builder.convert(a, acc), builder.convert(b, acc)
     shape = tuple(torch.broadcast_shapes(builder.shape_of(a), builder.shape_of(b)))
     diff = hlo.subtract(builder.broadcast_to(a, shape), builder.broadcast_to(b, shape))
-    flat = builder.reshape(diff, (_numel(shape),))
+    flat = builder.reshape(diff, (builder.numel(shape),))
     return builder.convert(builder.reshape(_p_norm(flat, float(p), [0]), spec.shape), spec.dtype)
-
-
-def _scaled(value: Value, factor) -> Value:
-    if factor == 1:
-        return value
-    return hlo.multiply(value, _splat(factor, value))
 
 
 @register_lowering(aten.addbmm.default)
 def _addbmm(ctx, bias, batch1, batch2, *, beta=1, alpha=1):
     """``beta * bias + alpha * sum_b batch1[b] @ batch2[b]``; beta == 0 ignores bias (even NaN)."""
     spec = ctx.aval_out
-    acc = _accumulator(spec.dtype)
+    acc = builder.accumulator_dtype(spec.dtype)
     lhs, rhs = builder.convert(batch1, spec.dtype), builder.convert(batch2, spec.dtype)
-    result = _scaled(builder.dot_general(lhs, rhs, ([0, 2], [0, 1]), out_dtype=acc), alpha)
+    result = builder.scaled(builder.dot_general(lhs, rhs, ([0, 2], [0, 1]), out_dtype=acc), alpha)
     if beta != 0:
         bias = builder.broadcast_to(builder.convert(bias, acc), spec.shape)
-        result = hlo.add(_scaled(bias, beta), result)
+        result = hlo.add(builder.scaled(bias, beta), result)
     return builder.convert(result, spec.dtype)
 
 
@@ -658,7 +603,7 @@ def _contract(a: Value, a_dims: list[int], b: Value, b_dims: list[int], summed: 
 
 def _sum_labels(x: Value, labels: list[int], summed: set[int]):
     axes = [i for i, d in enumerate(labels) if d in summed]
-    return _sum(x, axes), [d for d in labels if d not in summed]
+    return builder.reduce_sum(x, axes), [d for d in labels if d not in summed]
 
 
 @register_lowering(aten._trilinear.default)
@@ -666,7 +611,7 @@ def _trilinear(ctx, i1, i2, i3, expand1, expand2, expand3, sumdim, unroll_dim=1)
     """``(i1 * i2 * i3).sum(sumdim)`` after unsqueezing each input at its ``expand`` dims, as two contractions:
     first i1 with i2 over the summed dims i3 lacks, then with i3 over the rest."""
     spec = ctx.aval_out
-    acc = _accumulator(spec.dtype)
+    acc = builder.accumulator_dtype(spec.dtype)
     total = builder.rank_of(i1) + len(expand1)
     sums = {d % total for d in sumdim}
 

@@ -24,26 +24,11 @@ from tpucompile.lowering.registry import register_lowering
 Value = ir.Value
 
 
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
-
-
-def _sum(x: Value, dims) -> Value:
-    dtype = builder.dtype_of(x)
-    return builder.reduce([x], [builder.constant(0, dtype)], dims, lambda a, e: [hlo.add(a[0], e[0])])[0]
-
-
-def _row_max(x: Value) -> Value:
-    dtype = builder.dtype_of(x)
-    return builder.reduce([x], [builder.constant(float("-inf"), dtype)], [1],
-                          lambda a, e: [hlo.maximum(a[0], e[0])])[0]
-
-
 class _Problem:
     """The shared part of both ops: logits, log-softmax, the one-hot targets and the per-row class weight."""
 
     def __init__(self, x, linear_weight, target, linear_bias, weight, ignore_index):
-        self.dtype = _compute_dtype(builder.dtype_of(x))
+        self.dtype = builder.accumulator_dtype(builder.dtype_of(x))
         work = self.dtype
         self.x = builder.convert(x, work)
         self.linear_weight = builder.convert(linear_weight, work)
@@ -53,9 +38,9 @@ class _Problem:
         logits = builder.dot_general(self.x, self.linear_weight, ((1,), (1,)))
         if linear_bias is not None:
             logits = hlo.add(logits, builder.broadcast_in_dims(builder.convert(linear_bias, work), self.shape, [1]))
-        shifted = hlo.subtract(logits, builder.broadcast_in_dims(_row_max(logits), self.shape, [0]))
+        shifted = hlo.subtract(logits, builder.broadcast_in_dims(builder.reduce_max(logits, [1]), self.shape, [0]))
         exp = hlo.exponential(shifted)
-        denominator = _sum(exp, [1])
+        denominator = builder.reduce_sum(exp, [1])
         self.softmax = hlo.divide(exp, builder.broadcast_in_dims(denominator, self.shape, [0]))
         self.log_softmax = hlo.subtract(shifted, builder.broadcast_in_dims(hlo.log(denominator), self.shape, [0]))
         target = builder.convert(target, torch.int64)
@@ -68,11 +53,11 @@ class _Problem:
             row_weight = builder.constant(1, work, (rows,))
         else:
             class_weight = builder.broadcast_in_dims(builder.convert(weight, work), self.shape, [1])
-            row_weight = _sum(hlo.multiply(self.onehot, class_weight), [1])
+            row_weight = builder.reduce_sum(hlo.multiply(self.onehot, class_weight), [1])
         self.row_weight = builder.select(ignored, builder.constant(0, work, (rows,)), row_weight)
 
     def row_losses(self) -> Value:
-        picked = _sum(hlo.multiply(self.onehot, self.log_softmax), [1])
+        picked = builder.reduce_sum(hlo.multiply(self.onehot, self.log_softmax), [1])
         return hlo.negate(hlo.multiply(self.row_weight, picked))
 
 
@@ -94,10 +79,10 @@ def _chunked(ctx, x, linear_weight, target, linear_bias, weight, reduction, igno
         raise UnsupportedOpError(f"linear_cross_entropy (chunked) with reduction={reduction!r} is not supported")
     problem = _Problem(x, linear_weight, target, linear_bias, weight, ignore_index)
     work = problem.dtype
-    loss = _sum(problem.row_losses(), [0])
+    loss = builder.reduce_sum(problem.row_losses(), [0])
     scale = builder.constant(-1, work)
     if reduction == "mean":
-        total = _sum(problem.row_weight, [0])
+        total = builder.reduce_sum(problem.row_weight, [0])
         loss = hlo.divide(loss, total)
         scale = hlo.divide(scale, total)  # NaN when every row is ignored, as eager
     row_scale = hlo.multiply(builder.broadcast_to(scale, (problem.shape[0],)), problem.row_weight)
@@ -116,7 +101,7 @@ def _chunked(ctx, x, linear_weight, target, linear_bias, weight, reduction, igno
     else:
         results.append(builder.constant(0, weight_spec.dtype, weight_spec.shape))
     if compute_linear_bias_grad:
-        results.append(builder.convert(_sum(grad_logits, [0]), bias_spec.dtype))
+        results.append(builder.convert(builder.reduce_sum(grad_logits, [0]), bias_spec.dtype))
     else:
         results.append(builder.constant(0, bias_spec.dtype, bias_spec.shape))
     return results

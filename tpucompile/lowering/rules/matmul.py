@@ -12,13 +12,9 @@ from tpucompile.lowering.registry import register_lowering
 aten = torch.ops.aten
 
 
-def _accumulator(dtype: torch.dtype) -> torch.dtype:
-    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
-
-
 def _dot(lhs, rhs, contracting, batch, out_dtype):
     lhs, rhs = builder.convert(lhs, out_dtype), builder.convert(rhs, out_dtype)
-    product = builder.dot_general(lhs, rhs, contracting, batch, out_dtype=_accumulator(out_dtype))
+    product = builder.dot_general(lhs, rhs, contracting, batch, out_dtype=builder.accumulator_dtype(out_dtype))
     return product
 
 
@@ -46,19 +42,13 @@ def _mv(ctx, a, b):
     return builder.convert(_dot(a, b, ((1,), (0,)), ((), ()), dtype), dtype)
 
 
-def _scale(value, factor):
-    if factor == 1:
-        return value
-    return hlo.multiply(value, builder.constant(factor, builder.dtype_of(value), builder.shape_of(value)))
-
-
 def _add_bias(ctx, bias, product, beta, alpha):
     """``beta * bias + alpha * product`` in the accumulator dtype; beta == 0 ignores bias (even NaN)."""
     acc = builder.dtype_of(product)
-    result = _scale(product, alpha)
+    result = builder.scaled(product, alpha)
     if beta != 0:
         bias = builder.broadcast_to(builder.convert(bias, acc), builder.shape_of(result))
-        result = hlo.add(_scale(bias, beta), result)
+        result = hlo.add(builder.scaled(bias, beta), result)
     return builder.convert(result, ctx.aval_out.dtype)
 
 

@@ -13,13 +13,8 @@ from jax.extend.mlir.dialects import stablehlo as hlo
 
 from tpucompile.lowering import builder
 from tpucompile.lowering.registry import register_lowering
-from tpucompile.lowering.rules.reductions import reduce_sum
 
 aten = torch.ops.aten
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
 
 
 def _reduce_keep(x, dim, combine, init):
@@ -32,7 +27,7 @@ def _reduce_keep(x, dim, combine, init):
 
 def _over_dim(ctx, x, dim, body):
     """Apply ``body(x, dim)`` in the compute dtype; a 0-d tensor is treated as a 1-element vector."""
-    x = builder.convert(x, _compute_dtype(ctx.aval_out.dtype))
+    x = builder.convert(x, builder.accumulator_dtype(ctx.aval_out.dtype))
     if builder.rank_of(x) == 0:
         return builder.convert(builder.reshape(body(builder.reshape(x, (1,)), 0), ()), ctx.aval_out.dtype)
     return builder.convert(body(x, dim % builder.rank_of(x)), ctx.aval_out.dtype)
@@ -65,7 +60,7 @@ def _log_softmax(ctx, x, dim, half_to_float=False):
 def _native_layer_norm(ctx, x, normalized_shape, weight, bias, eps):
     """Returns (output, mean, rstd) with mean/rstd shaped like x with the normalised dims kept as 1."""
     out_dtype = ctx.avals_out[0].dtype
-    compute = _compute_dtype(out_dtype)
+    compute = builder.accumulator_dtype(out_dtype)
     x = builder.convert(x, compute)
     shape = builder.shape_of(x)
     axis = len(shape) - len(normalized_shape)
@@ -74,7 +69,7 @@ def _native_layer_norm(ctx, x, normalized_shape, weight, bias, eps):
     stat_shape = shape[:axis] + (1,) * len(dims)
 
     def mean_of(value):
-        total = reduce_sum(value, dims)
+        total = builder.reduce_sum(value, dims)
         mean = hlo.divide(total, builder.constant(count, compute, builder.shape_of(total)))
         return builder.reshape(mean, stat_shape)
 
@@ -98,7 +93,7 @@ def _native_layer_norm(ctx, x, normalized_shape, weight, bias, eps):
 @register_lowering(aten._softmax_backward_data.default)
 def _softmax_backward_data(ctx, grad, output, dim, input_dtype):
     """``output * (grad - sum(grad * output))`` along ``dim``, in f32 for low-precision inputs."""
-    compute = _compute_dtype(ctx.aval_out.dtype)
+    compute = builder.accumulator_dtype(ctx.aval_out.dtype)
     output = builder.convert(output, compute)
     if builder.rank_of(output) == 0:
         output = builder.reshape(output, (1,))
@@ -112,7 +107,7 @@ def _softmax_backward_data(ctx, grad, output, dim, input_dtype):
 @register_lowering(aten._log_softmax_backward_data.default)
 def _log_softmax_backward_data(ctx, grad, output, dim, input_dtype):
     """``grad - exp(output) * sum(grad)`` along ``dim``, in f32 for low-precision inputs."""
-    compute = _compute_dtype(ctx.aval_out.dtype)
+    compute = builder.accumulator_dtype(ctx.aval_out.dtype)
     output = builder.convert(output, compute)
     if builder.rank_of(output) == 0:
         output = builder.reshape(output, (1,))

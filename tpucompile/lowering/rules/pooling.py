@@ -43,21 +43,6 @@ _NO_INDEX = torch.iinfo(torch.int64).max
 """The index of padding in max pooling: it never wins a tie against a real element."""
 
 
-def _accumulator(dtype: torch.dtype) -> torch.dtype:
-    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
-
-
-def _expand(values: Sequence[int] | int | None, count: int, default: Sequence[int] | None = None) -> list[int]:
-    """ATen's pooling arguments: one value for all dims, one per dim, or (stride) empty for the default."""
-    if values is None or (not isinstance(values, int) and len(values) == 0):
-        assert default is not None
-        return list(default)
-    if isinstance(values, int):
-        return [values] * count
-    values = list(values)
-    return values * count if len(values) == 1 else values
-
-
 def _high_padding(size: int, window: int, stride: int, low: int, out: int) -> int:
     """The high padding that makes a window of (dilated) size ``window`` produce exactly ``out`` positions.
 
@@ -144,7 +129,7 @@ def _argmax_unrolled(
     """``_argmax_window`` from one strided slice per window offset, in two elementwise passes.
 
     Only elementwise ops: XLA fuses them into loops, where its CPU backend runs a two-result ``reduce_window``
-    element by element (ResNet's 3x3/2 stem pool: ~9x slower). The values are a chain of ``maximum`` (which
+    element by element. The values are a chain of ``maximum`` (which
     propagates NaN, as PyTorch's kernel does); the index is then the first real element in scan order equal to
     the maximum, or, where the maximum is NaN, the last NaN: a chain of selects visited backwards (so the
     first match in scan order is written last). XLA splits values and indices into separate loops, so each
@@ -209,17 +194,17 @@ def _max_pool(x, out_shape, kernel, stride, padding, dilation):
 @register_lowering(aten.max_pool2d_with_indices.default, aten.max_pool3d_with_indices.default)
 def _max_pool_with_indices(ctx, x, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=False):
     nd = 2 if ctx.node.target is aten.max_pool2d_with_indices.default else 3
-    kernel = _expand(kernel_size, nd)
-    return _max_pool(
-        x, ctx.aval_out.shape, kernel, _expand(stride, nd, kernel), _expand(padding, nd), _expand(dilation, nd)
-    )
+    kernel = builder.per_dim(kernel_size, nd)
+    stride, padding, dilation = (builder.per_dim(stride, nd, kernel), builder.per_dim(padding, nd),
+                                 builder.per_dim(dilation, nd))
+    return _max_pool(x, ctx.aval_out.shape, kernel, stride, padding, dilation)
 
 
 def _scatter_to_indices(ctx, grad: Value, indices: Value, nd: int) -> Value:
     """The gradient of a max: add each ``grad`` element to the input element its flat ``index`` names."""
     in_spec = ctx.aval_out
     in_shape, dtype = in_spec.shape, in_spec.dtype
-    acc = _accumulator(dtype)
+    acc = builder.accumulator_dtype(dtype)
     lead = math.prod(in_shape[:-nd])
     plane = math.prod(in_shape[-nd:])
     count = math.prod(builder.shape_of(grad)[-nd:])
@@ -293,7 +278,7 @@ def _window_sum(x: Value, kernel, stride, padding, out_shape, base_dilation=None
 
 
 def _avg_pool(x, out_shape, out_dtype, kernel, stride, padding, include_pad, divisor_override) -> Value:
-    acc = _accumulator(out_dtype)
+    acc = builder.accumulator_dtype(out_dtype)
     x = builder.convert(x, acc)
     total = _window_sum(x, kernel, stride, [(p, None) for p in padding], out_shape)
     divisor = _divisors(out_shape, builder.shape_of(x), kernel, stride, padding, include_pad, divisor_override, acc)
@@ -303,7 +288,7 @@ def _avg_pool(x, out_shape, out_dtype, kernel, stride, padding, include_pad, div
 def _avg_pool_backward(grad, in_shape, in_dtype, kernel, stride, padding, include_pad, divisor_override) -> Value:
     """Each input element receives ``grad / divisor`` of every window that covers it: a window sum over the
     gradient dilated by the stride (window o covers padded positions ``[o s, o s + k)``)."""
-    acc = _accumulator(in_dtype)
+    acc = builder.accumulator_dtype(in_dtype)
     grad = builder.convert(grad, acc)
     out_shape = builder.shape_of(grad)
     grad = hlo.divide(grad, _divisors(out_shape, in_shape, kernel, stride, padding, include_pad, divisor_override,
@@ -326,10 +311,10 @@ def _avg_pool_rule(
     ctx, x, kernel_size, stride=(), padding=0, ceil_mode=False, count_include_pad=True, divisor_override=None
 ):
     nd = _avg_nd(ctx.node.target)
-    kernel = _expand(kernel_size, nd)
+    kernel = builder.per_dim(kernel_size, nd)
+    stride, padding = builder.per_dim(stride, nd, kernel), builder.per_dim(padding, nd)
     return _avg_pool(
-        x, ctx.aval_out.shape, ctx.aval_out.dtype, kernel, _expand(stride, nd, kernel), _expand(padding, nd),
-        count_include_pad, divisor_override,
+        x, ctx.aval_out.shape, ctx.aval_out.dtype, kernel, stride, padding, count_include_pad, divisor_override
     )
 
 
@@ -338,10 +323,10 @@ def _avg_pool_backward_rule(
     ctx, grad, x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override
 ):
     nd = _avg_nd(ctx.node.target)
-    kernel = _expand(kernel_size, nd)
+    kernel = builder.per_dim(kernel_size, nd)
+    stride, padding = builder.per_dim(stride, nd, kernel), builder.per_dim(padding, nd)
     return _avg_pool_backward(
-        grad, ctx.aval_out.shape, ctx.aval_out.dtype, kernel, _expand(stride, nd, kernel), _expand(padding, nd),
-        count_include_pad, divisor_override,
+        grad, ctx.aval_out.shape, ctx.aval_out.dtype, kernel, stride, padding, count_include_pad, divisor_override
     )
 
 
@@ -369,28 +354,6 @@ def _window_matrix(size: int, out: int) -> np.ndarray:
     return matrix
 
 
-def contract_trailing(x: Value, matrices: Sequence[np.ndarray]) -> Value:
-    """Apply one matrix ``(new, old)`` to each of the trailing ``len(matrices)`` dims of ``x`` (in ``x``'s
-    dtype, at highest precision): a separable linear map such as adaptive averaging or resampling."""
-    nd = len(matrices)
-    dtype = builder.dtype_of(x)
-    precision = ir.ArrayAttr.get([hlo.PrecisionAttr.get("HIGHEST")] * 2)
-    first = builder.rank_of(x) - nd
-    for matrix in matrices:
-        m = builder.dense_constant(torch.from_numpy(np.ascontiguousarray(matrix)).to(dtype))
-        # Contract the first pooled dim; its replacement goes last, so after nd steps the order is restored.
-        shape = builder.shape_of(x)
-        out_shape = [*shape[:first], *shape[first + 1 :], matrix.shape[0]]
-        numbers = hlo.DotDimensionNumbers.get(
-            lhs_batching_dimensions=[],
-            rhs_batching_dimensions=[],
-            lhs_contracting_dimensions=[first],
-            rhs_contracting_dimensions=[1],
-        )
-        x = hlo.dot_general(tensor_type(out_shape, dtype), x, m, numbers, precision_config=precision)
-    return x
-
-
 def _adaptive_counts(in_shape, out_shape, nd: int, dtype: torch.dtype) -> Value:
     total = np.ones((), dtype=np.int64)
     for size, out in zip(in_shape[-nd:], out_shape[-nd:], strict=True):
@@ -413,8 +376,8 @@ def _adaptive_avg_pool(ctx, x, output_size):
     kernel = _regular_kernel(in_shape, out_shape, nd)
     if kernel is not None:
         return _avg_pool(x, out_shape, dtype, kernel, kernel, [0] * nd, True, None)
-    acc = _accumulator(dtype)
-    total = contract_trailing(builder.convert(x, acc), [
+    acc = builder.accumulator_dtype(dtype)
+    total = builder.contract_trailing(builder.convert(x, acc), [
         _window_matrix(size, out) for size, out in zip(in_shape[-nd:], out_shape[-nd:], strict=True)
     ])
     return builder.convert(hlo.divide(total, _adaptive_counts(in_shape, out_shape, nd, acc)), dtype)
@@ -428,9 +391,9 @@ def _adaptive_avg_pool_backward(ctx, grad, x):
     kernel = _regular_kernel(in_shape, out_shape, nd)
     if kernel is not None:
         return _avg_pool_backward(grad, in_shape, dtype, kernel, kernel, [0] * nd, True, None)
-    acc = _accumulator(dtype)
+    acc = builder.accumulator_dtype(dtype)
     grad = hlo.divide(builder.convert(grad, acc), _adaptive_counts(in_shape, out_shape, nd, acc))
-    result = contract_trailing(grad, [
+    result = builder.contract_trailing(grad, [
         _window_matrix(size, out).T for size, out in zip(in_shape[-nd:], out_shape[-nd:], strict=True)
     ])
     return builder.convert(result, dtype)

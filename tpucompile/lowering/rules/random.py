@@ -6,6 +6,7 @@ Values follow eager PyTorch's distributions, not its exact numbers (see ``loweri
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 from jax.extend.mlir import ir
@@ -15,6 +16,7 @@ from jax.extend.mlir.dialects import stablehlo as hlo
 from tpucompile.errors import UnsupportedOpError
 from tpucompile.lowering import builder
 from tpucompile.lowering.registry import register_lowering
+from tpucompile.lowering.types import tensor_type
 
 aten = torch.ops.aten
 
@@ -36,14 +38,14 @@ def _check_generator(kwargs) -> None:
                                  "default generator")
 
 
-def uniform(ctx, shape, dtype: torch.dtype) -> ir.Value:
+def uniform(ctx, shape: Sequence[int], dtype: torch.dtype) -> ir.Value:
     """Uniform floats in [0, 1): random mantissa bits under the exponent of 1.0, minus 1."""
     compute = dtype if dtype in _FLOAT_LAYOUT else torch.float32
     width, mantissa, one_bits = _FLOAT_LAYOUT[compute]
     bits = ctx.random.bits(shape, width)
     shifted = hlo.shift_right_logical(bits, _unsigned_constant(width - mantissa, width, shape))
     with_exponent = hlo.or_(shifted, _unsigned_constant(one_bits, width, shape))
-    in_one_two = hlo.bitcast_convert(builder.tensor_type(shape, compute), with_exponent)
+    in_one_two = hlo.bitcast_convert(tensor_type(shape, compute), with_exponent)
     value = hlo.subtract(in_one_two, builder.constant(1.0, compute, shape))
     if compute == dtype:
         return value
@@ -53,7 +55,7 @@ def uniform(ctx, shape, dtype: torch.dtype) -> ir.Value:
     return hlo.minimum(value, builder.constant(below_one, dtype, shape))
 
 
-def normal(ctx, shape, dtype: torch.dtype) -> ir.Value:
+def normal(ctx, shape: Sequence[int], dtype: torch.dtype) -> ir.Value:
     """Standard normal floats by inverse transform: sqrt(2) * erfinv(2u - 1), u strictly inside (0, 1)."""
     compute = dtype if dtype is torch.float64 else torch.float32
     u = uniform(ctx, shape, compute)
@@ -104,7 +106,7 @@ def _randint(ctx, low: int, high: int):
     bits = ctx.random.bits(spec.shape, width)
     # Modulo of 32 or 64 random bits: the bias is below span / 2**width, far under sampling noise.
     offset = hlo.remainder(bits, _unsigned_constant(span, width, spec.shape)) if span < 2**width else bits
-    signed = hlo.convert(builder.tensor_type(spec.shape, torch.int64), offset)
+    signed = hlo.convert(tensor_type(spec.shape, torch.int64), offset)
     value = hlo.add(signed, builder.constant(low, torch.int64, spec.shape))
     return builder.convert(value, spec.dtype)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 
 import torch
+from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import stablehlo as hlo
 
 from tpucompile.lowering import builder
@@ -25,28 +26,16 @@ def _dims(x, dim) -> list[int]:
     return sorted({d % rank for d in dim}) if rank else []
 
 
-def _accumulator(dtype: torch.dtype) -> torch.dtype:
-    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
-
-
 def _keep(ctx, value):
     """Reshape a reduced value to the traced result shape (restores kept dims)."""
     return builder.reshape(value, ctx.aval_out.shape)
 
 
-def reduce_sum(x, dims: list[int]):
-    dtype = builder.dtype_of(x)
-    if not dims:
-        return x
-    zero = builder.constant(0, dtype, ())
-    return builder.reduce([x], [zero], dims, lambda acc, el: [hlo.add(acc[0], el[0])])[0]
-
-
 @register_lowering(aten.sum.dim_IntList, aten.sum.default)
 def _sum(ctx, x, dim=None, keepdim=False, *, dtype=None):
     out = ctx.aval_out.dtype
-    x = builder.convert(x, _accumulator(out))
-    return _keep(ctx, builder.convert(reduce_sum(x, _dims(x, dim)), out))
+    x = builder.convert(x, builder.accumulator_dtype(out))
+    return _keep(ctx, builder.convert(builder.reduce_sum(x, _dims(x, dim)), out))
 
 
 @register_lowering(aten.mean.dim, aten.mean.default)
@@ -54,8 +43,8 @@ def _mean(ctx, x, dim=None, keepdim=False, *, dtype=None):
     out = ctx.aval_out.dtype
     dims = _dims(x, dim)
     count = math.prod(builder.shape_of(x)[d] for d in dims)
-    x = builder.convert(x, _accumulator(out))
-    total = reduce_sum(x, dims)
+    x = builder.convert(x, builder.accumulator_dtype(out))
+    total = builder.reduce_sum(x, dims)
     mean = hlo.divide(total, builder.constant(count, builder.dtype_of(total), builder.shape_of(total)))
     return _keep(ctx, builder.convert(mean, out))
 
@@ -63,49 +52,36 @@ def _mean(ctx, x, dim=None, keepdim=False, *, dtype=None):
 @register_lowering(aten.prod.default, aten.prod.dim_int)
 def _prod(ctx, x, dim=None, keepdim=False, *, dtype=None):
     out = ctx.aval_out.dtype
-    x = builder.convert(x, _accumulator(out))
+    x = builder.convert(x, builder.accumulator_dtype(out))
     one = builder.constant(1, builder.dtype_of(x), ())
     dims = _dims(x, dim)
     result = builder.reduce([x], [one], dims, lambda acc, el: [hlo.multiply(acc[0], el[0])])[0] if dims else x
     return _keep(ctx, builder.convert(result, out))
 
 
-def _extreme(x, dims, is_max: bool):
-    dtype = builder.dtype_of(x)
-    if not dims:
-        return x
-    if dtype is torch.bool:
-        init = builder.constant(not is_max, torch.bool, ())
-        combine = hlo.or_ if is_max else hlo.and_
-    else:
-        init = builder.constant(builder.min_value(dtype) if is_max else builder.max_value(dtype), dtype, ())
-        combine = hlo.maximum if is_max else hlo.minimum
-    return builder.reduce([x], [init], dims, lambda acc, el: [combine(acc[0], el[0])])[0]
-
-
 @register_lowering(aten.amax.default, aten.max.default)
 def _amax(ctx, x, dim=None, keepdim=False):
-    return _keep(ctx, _extreme(x, _dims(x, dim), True))
+    return _keep(ctx, builder.reduce_max(x, _dims(x, dim)))
 
 
 @register_lowering(aten.amin.default, aten.min.default)
 def _amin(ctx, x, dim=None, keepdim=False):
-    return _keep(ctx, _extreme(x, _dims(x, dim), False))
+    return _keep(ctx, builder.reduce_min(x, _dims(x, dim)))
 
 
 @register_lowering(aten.any.default, aten.any.dim, aten.any.dims)
 def _any(ctx, x, dim=None, keepdim=False):
     x = builder.convert(x, torch.bool)
-    return _keep(ctx, builder.convert(_extreme(x, _dims(x, dim), True), ctx.aval_out.dtype))
+    return _keep(ctx, builder.convert(builder.reduce_max(x, _dims(x, dim)), ctx.aval_out.dtype))
 
 
 @register_lowering(aten.all.default, aten.all.dim, aten.all.dims)
 def _all(ctx, x, dim=None, keepdim=False):
     x = builder.convert(x, torch.bool)
-    return _keep(ctx, builder.convert(_extreme(x, _dims(x, dim), False), ctx.aval_out.dtype))
+    return _keep(ctx, builder.convert(builder.reduce_min(x, _dims(x, dim)), ctx.aval_out.dtype))
 
 
-def arg_extreme(x, dim: int, is_max: bool):
+def arg_extreme(x: ir.Value, dim: int, is_max: bool) -> list[ir.Value]:
     """(values, int64 indices) of the max/min along ``dim``: first index wins ties, NaN counts as extreme."""
     shape = builder.shape_of(x)
     dtype = builder.dtype_of(x)
@@ -161,12 +137,12 @@ def _min_dim(ctx, x, dim, keepdim=False):
 
 def _variance(x, dims, correction):
     count = math.prod(builder.shape_of(x)[d] for d in dims)
-    total = reduce_sum(x, dims)
+    total = builder.reduce_sum(x, dims)
     shape = builder.shape_of(x)
     mean = hlo.divide(total, builder.constant(count, builder.dtype_of(x), builder.shape_of(total)))
     kept = [1 if i in dims else s for i, s in enumerate(shape)]
     centered = hlo.subtract(x, builder.broadcast_to(builder.reshape(mean, kept), shape))
-    squares = reduce_sum(hlo.multiply(centered, centered), dims)
+    squares = builder.reduce_sum(hlo.multiply(centered, centered), dims)
     divisor = max(count - correction, 0)
     var = hlo.divide(squares, builder.constant(divisor, builder.dtype_of(x), builder.shape_of(squares)))
     return var, mean
@@ -181,7 +157,7 @@ def _correction(correction, unbiased=None):
 @register_lowering(aten.var.correction)
 def _var(ctx, x, dim=None, *, correction=None, keepdim=False):
     out = ctx.aval_out.dtype
-    x = builder.convert(x, _accumulator(out))
+    x = builder.convert(x, builder.accumulator_dtype(out))
     var, _ = _variance(x, _dims(x, dim), _correction(correction))
     return _keep(ctx, builder.convert(var, out))
 
@@ -189,7 +165,7 @@ def _var(ctx, x, dim=None, *, correction=None, keepdim=False):
 @register_lowering(aten.std.correction)
 def _std(ctx, x, dim=None, *, correction=None, keepdim=False):
     out = ctx.aval_out.dtype
-    x = builder.convert(x, _accumulator(out))
+    x = builder.convert(x, builder.accumulator_dtype(out))
     var, _ = _variance(x, _dims(x, dim), _correction(correction))
     return _keep(ctx, builder.convert(hlo.sqrt(var), out))
 
@@ -197,7 +173,7 @@ def _std(ctx, x, dim=None, *, correction=None, keepdim=False):
 @register_lowering(aten.var_mean.correction)
 def _var_mean(ctx, x, dim=None, *, correction=None, keepdim=False):
     out = ctx.avals_out[0].dtype
-    x = builder.convert(x, _accumulator(out))
+    x = builder.convert(x, builder.accumulator_dtype(out))
     var, mean = _variance(x, _dims(x, dim), _correction(correction))
     shape = ctx.avals_out[0].shape
     return builder.reshape(builder.convert(var, out), shape), builder.reshape(builder.convert(mean, out), shape)
@@ -222,7 +198,7 @@ def _scan(x, dim: int, combine, identity):
 
 def _cumulative(ctx, x, dim, combine, identity):
     out = ctx.aval_out.dtype
-    x = builder.convert(x, _accumulator(out))
+    x = builder.convert(x, builder.accumulator_dtype(out))
     if builder.rank_of(x) == 0:
         return builder.convert(x, out)
     return builder.convert(_scan(x, dim % builder.rank_of(x), combine, identity), out)
@@ -254,23 +230,23 @@ def _logcumsumexp(ctx, x, dim):
 @register_lowering(aten.linalg_vector_norm.default)
 def _vector_norm(ctx, x, ord=2, dim=None, keepdim=False, *, dtype=None):
     out = ctx.aval_out.dtype
-    x = builder.convert(x, _accumulator(out))
+    x = builder.convert(x, builder.accumulator_dtype(out))
     dims = _dims(x, dim)
     compute = builder.dtype_of(x)
     magnitude = hlo.abs(x)
     if ord == float("inf"):
-        result = _extreme(magnitude, dims, True)
+        result = builder.reduce_max(magnitude, dims)
     elif ord == float("-inf"):
-        result = _extreme(magnitude, dims, False)
+        result = builder.reduce_min(magnitude, dims)
     elif ord == 0:
         nonzero = builder.compare(x, builder.constant(0, compute, builder.shape_of(x)), "NE")
-        result = reduce_sum(builder.convert(nonzero, compute), dims)
+        result = builder.reduce_sum(builder.convert(nonzero, compute), dims)
     elif ord == 1:
-        result = reduce_sum(magnitude, dims)
+        result = builder.reduce_sum(magnitude, dims)
     elif ord == 2:
-        result = hlo.sqrt(reduce_sum(hlo.multiply(x, x), dims))
+        result = hlo.sqrt(builder.reduce_sum(hlo.multiply(x, x), dims))
     else:
         power = builder.constant(ord, compute, builder.shape_of(x))
-        total = reduce_sum(hlo.power(magnitude, power), dims)
+        total = builder.reduce_sum(hlo.power(magnitude, power), dims)
         result = hlo.power(total, builder.constant(1.0 / ord, compute, builder.shape_of(total)))
     return _keep(ctx, builder.convert(result, out))

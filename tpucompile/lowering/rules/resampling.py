@@ -9,7 +9,7 @@ other rule modules lower, and reflection padding's backward is decomposed too. W
   slices, sums and pads, one padded dim at a time;
 * ``_upsample_{bilinear,bicubic}2d_aa`` (``antialias=True``) and their backward: separable linear maps whose
   weights depend only on static sizes, so one constant ``(out, in)`` matrix per spatial dim, applied with
-  ``pooling.contract_trailing`` (the backward applies the transposed matrices).
+  ``builder.contract_trailing`` (the backward applies the transposed matrices).
 """
 
 from __future__ import annotations
@@ -23,25 +23,13 @@ from jax.extend.mlir.dialects import stablehlo as hlo
 
 from tpucompile.lowering import builder
 from tpucompile.lowering.registry import register_lowering
-from tpucompile.lowering.rules.pooling import contract_trailing
 from tpucompile.resize_scale import source_scale
 
 aten = torch.ops.aten
 Value = ir.Value
 
 
-def _accumulator(dtype: torch.dtype) -> torch.dtype:
-    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
-
-
 # --- replication padding ----------------------------------------------------------------------------------
-
-
-def _slice_dim(x: Value, dim: int, start: int, stop: int) -> Value:
-    shape = builder.shape_of(x)
-    starts, limits = [0] * len(shape), list(shape)
-    starts[dim], limits[dim] = start, stop
-    return builder.slice_static(x, starts, limits, [1] * len(shape))
 
 
 def _pad_dim(x: Value, dim: int, low: int, high: int) -> Value:
@@ -59,10 +47,10 @@ def _replication_grad_dim(grad: Value, dim: int, size: int, low: int) -> Value:
     start, stop = max(low, 0), min(low + size, out)  # outputs that copy input j - low one to one
     parts = []
     if stop > start:
-        parts.append(_pad_dim(_slice_dim(grad, dim, start, stop), dim, start - low, size - (stop - low)))
+        parts.append(_pad_dim(builder.slice_along(grad, dim, start, stop), dim, start - low, size - (stop - low)))
     for first, last, target in ((0, min(low, out), 0), (max(low + size, 0), out, size - 1)):
         if last > first:
-            edge = _sum_keepdim(_slice_dim(grad, dim, first, last), dim)
+            edge = _sum_keepdim(builder.slice_along(grad, dim, first, last), dim)
             parts.append(_pad_dim(edge, dim, target, size - 1 - target))
     if not parts:
         shape = list(builder.shape_of(grad))
@@ -75,8 +63,7 @@ def _replication_grad_dim(grad: Value, dim: int, size: int, low: int) -> Value:
 
 
 def _sum_keepdim(x: Value, dim: int) -> Value:
-    dtype = builder.dtype_of(x)
-    total = builder.reduce([x], [builder.constant(0, dtype)], [dim], lambda acc, el: [hlo.add(acc[0], el[0])])[0]
+    total = builder.reduce_sum(x, [dim])
     shape = list(builder.shape_of(x))
     shape[dim] = 1
     return builder.reshape(total, shape)
@@ -91,7 +78,7 @@ def _replication_pad_backward(ctx, grad, x, padding):
     nd = len(padding) // 2
     in_shape, dtype = ctx.aval_out.shape, ctx.aval_out.dtype
     rank = len(in_shape)
-    result = builder.convert(grad, _accumulator(dtype))
+    result = builder.convert(grad, builder.accumulator_dtype(dtype))
     for i in range(nd):  # ``padding`` lists (low, high) pairs starting from the last dim
         dim = rank - 1 - i
         result = _replication_grad_dim(result, dim, in_shape[dim], padding[2 * i])
@@ -162,7 +149,8 @@ def _upsample_aa(ctx, x, output_size, align_corners, scales_h=None, scales_w=Non
     in_sizes = builder.shape_of(x)[-2:]
     matrices = _antialias_matrices(ctx.node.target, in_sizes, ctx.aval_out.shape[-2:], align_corners,
                                    [scales_h, scales_w])
-    return builder.convert(contract_trailing(builder.convert(x, _accumulator(dtype)), matrices), dtype)
+    result = builder.contract_trailing(builder.convert(x, builder.accumulator_dtype(dtype)), matrices)
+    return builder.convert(result, dtype)
 
 
 @register_lowering(aten._upsample_bilinear2d_aa_backward.default, aten._upsample_bicubic2d_aa_backward.default)
@@ -170,5 +158,5 @@ def _upsample_aa_backward(ctx, grad, output_size, input_size, align_corners, sca
     dtype = ctx.aval_out.dtype
     matrices = _antialias_matrices(ctx.node.target, ctx.aval_out.shape[-2:], builder.shape_of(grad)[-2:],
                                    align_corners, [scales_h, scales_w])
-    result = contract_trailing(builder.convert(grad, _accumulator(dtype)), [m.T for m in matrices])
+    result = builder.contract_trailing(builder.convert(grad, builder.accumulator_dtype(dtype)), [m.T for m in matrices])
     return builder.convert(result, dtype)

@@ -1,9 +1,7 @@
-"""Cumulative extremes ``cummax`` / ``cummin`` (values and int64 indices), and the scan they are built on.
+"""Cumulative extremes ``cummax`` / ``cummin`` (values and int64 indices), on ``builder.scan``.
 
-A scan along ``dim`` is a ``stablehlo.reduce_window`` whose window spans the whole dim, with ``size - 1``
-elements of low padding (filled with the combiner's identity): output ``k`` reduces inputs ``0..k``. XLA
-turns that into a log-depth scan. The window's reduction order is unspecified, so a combiner must be
-associative and commutative; the extremes are made so by ordering (value, index) pairs totally:
+The scan's reduction order is unspecified, so its combiner must be associative and commutative; the extremes
+are made so by ordering (value, index) pairs totally:
 
 * ``cummax``: NaN beats everything, then the larger value, then the later index (PyTorch compares with
   ``>=``, so the last of equal maxima is reported, and the index of the last NaN once one was seen);
@@ -14,51 +12,15 @@ associative and commutative; the extremes are made so by ordering (value, index)
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-
-import numpy as np
 import torch
 from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import stablehlo as hlo
 
 from tpucompile.lowering import builder
 from tpucompile.lowering.registry import register_lowering
-from tpucompile.lowering.types import tensor_type
 
 aten = torch.ops.aten
 Value = ir.Value
-Combiner = Callable[[Sequence[Value], Sequence[Value]], Sequence[Value]]
-
-
-def scan(operands: Sequence[Value], identities: Sequence[Value], dim: int, combine: Combiner) -> list[Value]:
-    """Inclusive scan of same-shaped ``operands`` along ``dim``: result ``k`` combines elements ``0..k``.
-
-    ``identities`` are 0-d values that ``combine`` leaves unchanged; ``combine(acc, el)`` returns one value
-    per operand and must be associative and commutative.
-    """
-    shape = builder.shape_of(operands[0])
-    rank = len(shape)
-    window = [1] * rank
-    window[dim] = shape[dim]
-    padding = np.zeros((rank, 2), dtype=np.int64)
-    padding[dim, 0] = shape[dim] - 1
-    op = hlo.ReduceWindowOp(
-        [v.type for v in operands],
-        list(operands),
-        list(identities),
-        window,
-        window_strides=[1] * rank,
-        base_dilations=[1] * rank,
-        window_dilations=[1] * rank,
-        padding=ir.DenseIntElementsAttr.get(padding),
-    )
-    scalars = [tensor_type((), builder.dtype_of(v)) for v in operands]
-    block = op.regions[0].blocks.append(*scalars, *scalars)
-    count = len(operands)
-    with ir.InsertionPoint(block):
-        args = list(block.arguments)
-        hlo.return_(list(combine(args[:count], args[count:])))
-    return list(op.results)
 
 
 def _cumulative_extreme(x: Value, dim: int, is_max: bool) -> tuple[Value, Value]:
@@ -83,7 +45,7 @@ def _cumulative_extreme(x: Value, dim: int, is_max: bool) -> tuple[Value, Value]
 
     worst = builder.min_value(dtype) if is_max else builder.max_value(dtype)
     identities = [builder.constant(worst, dtype, ()), builder.constant(-1, torch.int64, ())]
-    values, positions = scan([x, indices], identities, dim, combine)
+    values, positions = builder.scan([x, indices], identities, dim, combine)
     return values, positions
 
 

@@ -21,18 +21,9 @@ from jax.extend.mlir.dialects import stablehlo as hlo
 from tpucompile.errors import UnsupportedOpError
 from tpucompile.lowering import builder
 from tpucompile.lowering.registry import register_lowering
-from tpucompile.lowering.rules.indexing import take_along
-from tpucompile.lowering.rules.scans import scan
 
 aten = torch.ops.aten
 Value = ir.Value
-
-
-def _numel(shape: Sequence[int]) -> int:
-    count = 1
-    for s in shape:
-        count *= s
-    return count
 
 
 def _i64(value: int, shape: Sequence[int] = ()) -> Value:
@@ -47,14 +38,14 @@ def _search_rows(seq: Value, values: Value, right: bool) -> Value:
     length = builder.shape_of(seq)[1]
     shape = builder.shape_of(values)
     start = _i64(0, shape)
-    if length == 0 or _numel(shape) == 0:
+    if length == 0 or builder.numel(shape) == 0:
         return start
     end = _i64(length, shape)
     one, last = _i64(1, shape), _i64(length - 1, shape)
     for _ in range(length.bit_length()):
         active = builder.compare(start, end, "LT")
         mid = hlo.add(start, hlo.shift_right_arithmetic(hlo.subtract(end, start), one))
-        probe = take_along(seq, 1, hlo.clamp(_i64(0, shape), mid, last))
+        probe = builder.take_along(seq, 1, hlo.clamp(_i64(0, shape), mid, last))
         stays_left = builder.compare(probe, values, "GT" if right else "GE")
         go_right = hlo.and_(active, hlo.not_(stays_left))
         start = builder.select(go_right, hlo.add(mid, one), start)
@@ -68,9 +59,9 @@ def search_sorted(seq: Value, values: Value, right: bool) -> Value:
     seq_shape, value_shape = builder.shape_of(seq), builder.shape_of(values)
     length = seq_shape[-1]
     if len(seq_shape) == 1:
-        rows, count = 1, _numel(value_shape)
+        rows, count = 1, builder.numel(value_shape)
     else:
-        rows, count = _numel(seq_shape[:-1]), value_shape[-1]
+        rows, count = builder.numel(seq_shape[:-1]), value_shape[-1]
     found = _search_rows(builder.reshape(seq, (rows, length)), builder.reshape(values, (rows, count)), right)
     return builder.reshape(found, value_shape)
 
@@ -92,8 +83,8 @@ def _searchsorted(ctx, seq, values, *, out_int32=False, right=False, side=None, 
     right = side == "right" if side is not None else right
     dtype = _common_dtype(ctx.operand_metas[0], values)
     seq, values = builder.convert(seq, dtype), _as_operand(values, dtype)
-    if sorter is not None and _numel(builder.shape_of(seq)) > 0:
-        seq = take_along(seq, builder.rank_of(seq) - 1, sorter)
+    if sorter is not None and builder.numel(builder.shape_of(seq)) > 0:
+        seq = builder.take_along(seq, builder.rank_of(seq) - 1, sorter)
     return builder.convert(search_sorted(seq, values, right), ctx.aval_out.dtype)
 
 
@@ -133,7 +124,7 @@ def _outer_edges(column: Value | None, bounds: tuple[float, float] | None, widen
     """float64 0-d outermost edges: ``bounds`` if given, else the data's extremes (0 and 1 with no data)."""
     if bounds is not None:
         low, high = builder.constant(bounds[0], torch.float64), builder.constant(bounds[1], torch.float64)
-    elif column is not None and _numel(builder.shape_of(column)) > 0:
+    elif column is not None and builder.numel(builder.shape_of(column)) > 0:
         low, high = _extremes(column)
     else:
         low, high = builder.constant(0.0, torch.float64), builder.constant(1.0, torch.float64)
@@ -202,7 +193,7 @@ def _local_search(edges: Value, values: Value, guess: Value) -> Value:
     for offset in (-1, 0, 1):
         k = hlo.add(guess, _i64(offset, shape))
         usable = hlo.and_(builder.compare(k, low, "GE"), builder.compare(k, high, "LT"))
-        edge = take_along(edges, 0, hlo.clamp(_i64(0, shape), k, _i64(total - 1, shape)))
+        edge = builder.take_along(edges, 0, hlo.clamp(_i64(0, shape), k, _i64(total - 1, shape)))
         below = hlo.and_(usable, builder.compare(edge, values, "LE"))
         found = hlo.add(found, builder.convert(below, torch.int64))
     return found
@@ -213,8 +204,8 @@ def _histogram(points: Value, axes: Sequence[_Axis], weight: Value | None, densi
     """The histogram (shape: bins per axis) of ``points`` (M, D) over ``axes``, in ``dtype``."""
     count = builder.shape_of(points)[0]
     bins = [builder.shape_of(a.edges)[0] - 1 for a in axes]
-    cells = _numel(bins)
-    accumulate = torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+    cells = builder.numel(bins)
+    accumulate = builder.accumulator_dtype(dtype)
     flat = _i64(0, (count,))
     inside = builder.constant(True, torch.bool, (count,))
     stride = cells
@@ -228,11 +219,12 @@ def _histogram(points: Value, axes: Sequence[_Axis], weight: Value | None, densi
         updates = builder.constant(1, accumulate, (count,))
     else:
         updates = builder.convert(builder.reshape(weight, (count,)), accumulate)
-    hist = _scatter_add_1d(builder.constant(0, accumulate, (cells + 1,)), flat, updates)
+    hist = builder.scatter_rows(builder.constant(0, accumulate, (cells + 1,)), builder.reshape(flat, (count, 1)),
+                                updates, hlo.add)
     hist = builder.slice_static(hist, [0], [cells], [1])
     hist = builder.convert(hist, dtype)
     if density:
-        total = builder.reduce([hist], [builder.constant(0, dtype)], [0], lambda a, e: [hlo.add(a[0], e[0])])[0]
+        total = builder.reduce_sum(hist, [0])
         hist = hlo.divide(hist, builder.broadcast_to(total, (cells,)))
         hist = builder.reshape(hist, bins)
         for d, axis in enumerate(axes):
@@ -243,20 +235,10 @@ def _histogram(points: Value, axes: Sequence[_Axis], weight: Value | None, densi
     return builder.reshape(hist, bins)
 
 
-def _scatter_add_1d(operand: Value, index: Value, updates: Value) -> Value:
-    count = builder.shape_of(index)[0]
-    numbers = hlo.ScatterDimensionNumbers.get(
-        update_window_dims=[], inserted_window_dims=[0], input_batching_dims=[], scatter_indices_batching_dims=[],
-        scattered_dims_to_operand_dims=[0], index_vector_dim=1,
-    )
-    return builder.scatter(operand, builder.reshape(index, (count, 1)), updates, numbers,
-                           lambda current, update: hlo.add(current, update))
-
-
 def _points(x: Value) -> Value:
     """``histogramdd``'s view of its input: (M, D) with D the last dim."""
     shape = builder.shape_of(x)
-    return builder.reshape(x, (_numel(shape[:-1]), shape[-1]))
+    return builder.reshape(x, (builder.numel(shape[:-1]), shape[-1]))
 
 
 def _column(points: Value, d: int) -> Value:
@@ -279,7 +261,7 @@ def _linear_edges(points: Value, bins: Sequence[int], bounds: Sequence[float] | 
 @register_lowering(aten.histc.default)
 def _histc(ctx, x, bins=100, min=0, max=0):
     dtype = builder.dtype_of(x)
-    size = _numel(builder.shape_of(x))
+    size = builder.numel(builder.shape_of(x))
     if size == 0:
         return builder.constant(0, dtype, (bins,))
     column = builder.reshape(x, (size,))
@@ -293,7 +275,7 @@ def _histc(ctx, x, bins=100, min=0, max=0):
 
 @register_lowering(aten.histogram.bin_ct)
 def _histogram_bin_ct(ctx, x, bins=100, *, range=None, weight=None, density=False):
-    points = builder.reshape(x, (_numel(builder.shape_of(x)), 1))
+    points = builder.reshape(x, (builder.numel(builder.shape_of(x)), 1))
     (edges,) = _linear_edges(points, [bins], range)
     hist = _histogram(points, [_Axis(edges, linear=True)], weight, density, builder.dtype_of(x))
     return hist, edges
@@ -301,7 +283,7 @@ def _histogram_bin_ct(ctx, x, bins=100, *, range=None, weight=None, density=Fals
 
 @register_lowering(aten.histogram.bins_tensor)
 def _histogram_bins_tensor(ctx, x, bins, *, weight=None, density=False):
-    points = builder.reshape(x, (_numel(builder.shape_of(x)), 1))
+    points = builder.reshape(x, (builder.numel(builder.shape_of(x)), 1))
     hist = _histogram(points, [_Axis(bins, linear=False)], weight, density, builder.dtype_of(x))
     return hist, bins
 
@@ -341,13 +323,13 @@ class _Segments:
 
 
 def _segments(data_shape: Sequence[int], axis: int, lengths: Value | None, offsets: Value | None) -> _Segments:
-    outer = _numel(data_shape[:axis])
+    outer = builder.numel(data_shape[:axis])
     span = data_shape[axis]
-    inner = _numel(data_shape[axis + 1 :])
+    inner = builder.numel(data_shape[axis + 1 :])
     if lengths is not None:
         count = builder.shape_of(lengths)[-1]
         sizes = builder.reshape(builder.convert(lengths, torch.int64), (outer, count))
-        (ends,) = scan([sizes], [_i64(0)], 1, lambda acc, el: [hlo.add(acc[0], el[0])])
+        (ends,) = builder.scan([sizes], [_i64(0)], 1, lambda acc, el: [hlo.add(acc[0], el[0])])
         starts = hlo.subtract(ends, sizes)
     elif offsets is not None:
         count = builder.shape_of(offsets)[-1] - 1
@@ -362,7 +344,7 @@ def _segments(data_shape: Sequence[int], axis: int, lengths: Value | None, offse
     if count == 0:
         return _Segments(_i64(0, shape), sizes, count, outer, inner, span)
     ids = search_sorted(ends, positions, right=True)  # the first segment that ends after the position
-    first = take_along(starts, 1, hlo.minimum(ids, _i64(count - 1, shape)))
+    first = builder.take_along(starts, 1, hlo.minimum(ids, _i64(count - 1, shape)))
     valid = hlo.and_(builder.compare(ids, _i64(count, shape), "LT"), builder.compare(positions, first, "GE"))
     return _Segments(builder.select(valid, ids, _i64(count, shape)), sizes, count, outer, inner, span)
 

@@ -53,19 +53,6 @@ def sort_with_indices(x: Value, dim: int, descending: bool = False) -> tuple[Val
     return values, positions
 
 
-def _as_1d(x: Value) -> Value:
-    """0-d tensors sort, select and count as 1-element vectors; the rules reshape back to the traced shape."""
-    return builder.reshape(x, (1,)) if builder.rank_of(x) == 0 else x
-
-
-def _take(x: Value, dim: int, start: int, count: int) -> Value:
-    shape = builder.shape_of(x)
-    starts = [0] * len(shape)
-    limits = list(shape)
-    starts[dim], limits[dim] = start, start + count
-    return builder.slice_static(x, starts, limits, [1] * len(shape))
-
-
 def _gather_along(x: Value, dim: int, position: Value) -> Value:
     """``x[..., position[...], ...]`` along ``dim`` for a data-dependent ``position`` (x's shape without ``dim``),
     keeping ``dim`` with size 1. Built as a one-hot select and a sum, which needs no gather."""
@@ -81,9 +68,7 @@ def _gather_along(x: Value, dim: int, position: Value) -> Value:
     else:
         # select, not multiply, so that inf and NaN elsewhere in the row cannot leak into the result
         zero = builder.constant(0, dtype, shape)
-        picked = builder.select(hit, x, zero)
-        init = builder.constant(0, dtype, ())
-        total = builder.reduce([picked], [init], [dim], lambda acc, el: [hlo.add(acc[0], el[0])])[0]
+        total = builder.reduce_sum(builder.select(hit, x, zero), [dim])
     return builder.reshape(total, kept)
 
 
@@ -98,26 +83,26 @@ def _sort_stable(ctx, x, *, stable=None, dim=-1, descending=False):
 
 
 def _sort_rule(ctx, x, dim, descending):
-    x = _as_1d(x)
+    x = builder.at_least_1d(x)
     values, indices = sort_with_indices(x, dim % builder.rank_of(x), descending)
     return builder.reshape(values, ctx.avals_out[0].shape), builder.reshape(indices, ctx.avals_out[1].shape)
 
 
 TOPK_BY_REDUCTION = 4
 """``topk`` of at most this many elements picks them one reduction at a time (``k`` passes over each row)
-instead of sorting the rows: XLA's CPU sort runs its comparator per element pair, a mixture-of-experts router's
-top 2 of 4 experts over 128 tokens taking ~20 us, where two reductions fuse into a few."""
+instead of sorting the rows: XLA's CPU sort runs its comparator per element pair, which costs more
+than ``k`` fused reductions for a small ``k`` (a mixture-of-experts router's top 2)."""
 
 
 @register_lowering(aten.topk.default)
 def _topk(ctx, x, k, dim=-1, largest=True, sorted=True):
-    x = _as_1d(x)
+    x = builder.at_least_1d(x)
     dim %= builder.rank_of(x)
     if 1 <= k <= TOPK_BY_REDUCTION:
         values, indices = _topk_by_reduction(x, dim, k, largest)
     else:
         values, indices = sort_with_indices(x, dim, descending=largest)
-        values, indices = _take(values, dim, 0, k), _take(indices, dim, 0, k)
+        values, indices = builder.slice_along(values, dim, 0, k), builder.slice_along(indices, dim, 0, k)
     return builder.reshape(values, ctx.avals_out[0].shape), builder.reshape(indices, ctx.avals_out[1].shape)
 
 
@@ -156,11 +141,12 @@ def _topk_by_reduction(x: Value, dim: int, k: int, largest: bool) -> tuple[Value
 def _select_sorted(x, dim, position: int | Value, shapes: Sequence[Sequence[int]]) -> tuple[Value, Value]:
     """Value and original index of the element at sorted ``position`` (static, or per-row data) along
     ``dim``, reshaped to ``shapes``."""
-    x = _as_1d(x)
+    x = builder.at_least_1d(x)
     dim %= builder.rank_of(x)
     values, indices = sort_with_indices(x, dim)
     if isinstance(position, int):
-        value, index = _take(values, dim, position, 1), _take(indices, dim, position, 1)
+        value, index = (builder.slice_along(values, dim, position, position + 1),
+                        builder.slice_along(indices, dim, position, position + 1))
     else:
         value, index = _gather_along(values, dim, position), _gather_along(indices, dim, position)
     return builder.reshape(value, shapes[0]), builder.reshape(index, shapes[1])
@@ -180,14 +166,12 @@ def _nan_count(x: Value, dim: int) -> Value:
     shape = builder.shape_of(x)
     if not builder.dtype_of(x).is_floating_point:
         return builder.constant(0, torch.int64, [s for d, s in enumerate(shape) if d != dim])
-    nans = builder.convert(builder.is_nan(x), torch.int64)
-    init = builder.constant(0, torch.int64, ())
-    return builder.reduce([nans], [init], [dim], lambda acc, el: [hlo.add(acc[0], el[0])])[0]
+    return builder.reduce_sum(builder.convert(builder.is_nan(x), torch.int64), [dim])
 
 
 def _median(x: Value, dim: int, shapes: Sequence[Sequence[int]]) -> tuple[Value, Value]:
     """The lower median; any NaN in the row makes the result that NaN (the first one: sorting is stable)."""
-    x = _as_1d(x)
+    x = builder.at_least_1d(x)
     dim %= builder.rank_of(x)
     size = builder.shape_of(x)[dim]
     nans = _nan_count(x, dim)
@@ -201,7 +185,7 @@ def _median(x: Value, dim: int, shapes: Sequence[Sequence[int]]) -> tuple[Value,
 def _nanmedian(x: Value, dim: int, shapes: Sequence[Sequence[int]]) -> tuple[Value, Value]:
     """The lower median of the non-NaN values (NaN only for an all-NaN row): NaNs sort last, so it sits at
     ``(count - 1) // 2`` of the sorted row."""
-    x = _as_1d(x)
+    x = builder.at_least_1d(x)
     dim %= builder.rank_of(x)
     size = builder.shape_of(x)[dim]
     nans = _nan_count(x, dim)
@@ -243,7 +227,7 @@ def _mode(ctx, x, dim=-1, keepdim=False):
     """The most frequent value along ``dim`` (the smallest among equally frequent ones) and the last index
     where it occurs, as PyTorch's CPU kernel gives. Counting is an n-by-n comparison per row, fine for the row
     lengths ``mode`` is used with."""
-    x = _as_1d(x)
+    x = builder.at_least_1d(x)
     rank = builder.rank_of(x)
     dim %= rank
     x = builder.transpose(x, [d for d in range(rank) if d != dim] + [dim])  # the counted dim last
@@ -253,8 +237,7 @@ def _mode(ctx, x, dim=-1, keepdim=False):
     mine = builder.broadcast_in_dims(x, pairs, list(range(rank)))
     theirs = builder.broadcast_in_dims(x, pairs, [*range(rank - 1), rank])
     equal = builder.convert(builder.compare(mine, theirs, "EQ"), torch.int64)  # NaN equals nothing
-    zero = builder.constant(0, torch.int64, ())
-    counts = builder.reduce([equal], [zero], [rank], lambda acc, el: [hlo.add(acc[0], el[0])])[0]
+    counts = builder.reduce_sum(equal, [rank])
     indices = builder.iota(shape, torch.int64, rank - 1)
     dtype = builder.dtype_of(x)
 

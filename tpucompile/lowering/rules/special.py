@@ -34,7 +34,7 @@ with degree >= 2 return 1.0 on PyTorch's x86 build) we return NaN; float32 ``iga
 float32 maximum, where eager's float32 arithmetic overflows to NaN, gives the true value; in float64, eager's
 own approximations of J0/J1/Y0/Y1 for 5 < x < 7 and of Ai near x = -2.1 are off by up to 3e-6, ours are not
 (so float64 results differ from eager there by more than 1e-7). The polynomial loops run up to the largest
-degree in the tensor (eager loops per element, ~1000 times faster per step), and Hurwitz zeta with a large
+degree in the tensor (eager loops per element, much faster per step), and Hurwitz zeta with a large
 negative ``q`` sums ``-q`` terms, as eager does.
 """
 

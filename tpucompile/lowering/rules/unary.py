@@ -15,13 +15,9 @@ from jax.extend.mlir.dialects import stablehlo as hlo
 from tpucompile.lowering import builder
 from tpucompile.lowering.registry import PromotionKind as K
 from tpucompile.lowering.registry import register_lowering
-from tpucompile.lowering.rules.elementwise import trunc
+from tpucompile.lowering.types import tensor_type
 
 aten = torch.ops.aten
-
-
-def _const_like(value, like):
-    return builder.constant(value, builder.dtype_of(like), builder.shape_of(like))
 
 
 def _unary(op, *overloads, promote=K.INT_TO_FLOAT):
@@ -29,12 +25,12 @@ def _unary(op, *overloads, promote=K.INT_TO_FLOAT):
 
 
 _unary(hlo.exponential, aten.exp.default)
-_unary(lambda x: hlo.power(_const_like(2, x), x), aten.exp2.default)  # exact for integer x; exp(x·ln2) is not
+_unary(lambda x: hlo.power(builder.constant_like(2, x), x), aten.exp2.default)  # exact for integer x; exp(x·ln2) is not
 _unary(hlo.exponential_minus_one, aten.expm1.default)
 _unary(hlo.log, aten.log.default)
 _unary(hlo.log_plus_one, aten.log1p.default)
-_unary(lambda x: hlo.divide(hlo.log(x), _const_like(math.log(2.0), x)), aten.log2.default)
-_unary(lambda x: hlo.divide(hlo.log(x), _const_like(math.log(10.0), x)), aten.log10.default)
+_unary(lambda x: hlo.divide(hlo.log(x), builder.constant_like(math.log(2.0), x)), aten.log2.default)
+_unary(lambda x: hlo.divide(hlo.log(x), builder.constant_like(math.log(10.0), x)), aten.log10.default)
 _unary(hlo.sqrt, aten.sqrt.default)
 _unary(hlo.rsqrt, aten.rsqrt.default)
 _unary(hlo.sine, aten.sin.default)
@@ -55,7 +51,7 @@ _unary(chlo.erf_inv, aten.erfinv.default)
 _unary(chlo.lgamma, aten.lgamma.default)
 _unary(chlo.digamma, aten.digamma.default)
 _unary(hlo.logistic, aten.sigmoid.default)
-_unary(lambda x: hlo.divide(_const_like(1, x), x), aten.reciprocal.default)
+_unary(lambda x: hlo.divide(builder.constant_like(1, x), x), aten.reciprocal.default)
 _unary(hlo.negate, aten.neg.default, promote=K.DEFAULT)
 _unary(hlo.abs, aten.abs.default, promote=K.DEFAULT)
 
@@ -67,7 +63,7 @@ def _float_only(op):
 _unary(_float_only(hlo.floor), aten.floor.default, promote=K.DEFAULT)
 _unary(_float_only(hlo.ceil), aten.ceil.default, promote=K.DEFAULT)
 _unary(_float_only(hlo.round_nearest_even), aten.round.default, promote=K.DEFAULT)
-_unary(trunc, aten.trunc.default, promote=K.DEFAULT)
+_unary(builder.trunc, aten.trunc.default, promote=K.DEFAULT)
 _unary(lambda x: x, aten.positive.default, promote=K.DEFAULT)
 
 
@@ -76,7 +72,7 @@ def _round_decimals(ctx, x, decimals=0):
     """As PyTorch: ``rint(x * 10^d) / 10^d``, or ``rint(x / 10^-d) * 10^-d`` for negative ``d``."""
     if not builder.dtype_of(x).is_floating_point:
         return x
-    scale = _const_like(10.0 ** abs(decimals), x)
+    scale = builder.constant_like(10.0 ** abs(decimals), x)
     if decimals < 0:
         return hlo.multiply(hlo.round_nearest_even(hlo.divide(x, scale)), scale)
     return hlo.divide(hlo.round_nearest_even(hlo.multiply(x, scale)), scale)
@@ -90,7 +86,7 @@ def _sign(ctx, x):
     if not dtype.is_floating_point:
         return hlo.sign(x)
     # PyTorch computes (0 < x) - (x < 0): NaN gives 0 (StableHLO's sign keeps NaN), -0.0 gives +0.0.
-    zero = _const_like(0, x)
+    zero = builder.constant_like(0, x)
     positive = builder.convert(builder.compare(x, zero, "GT"), dtype)
     negative = builder.convert(builder.compare(x, zero, "LT"), dtype)
     return hlo.subtract(positive, negative)
@@ -100,10 +96,10 @@ def _sign(ctx, x):
 def _signbit(ctx, x):
     dtype = builder.dtype_of(x)
     if not dtype.is_floating_point:
-        return builder.compare(x, _const_like(0, x), "LT")
+        return builder.compare(x, builder.constant_like(0, x), "LT")
     bits = {torch.float32: torch.int32, torch.float64: torch.int64, torch.float16: torch.int16,
             torch.bfloat16: torch.int16}[dtype]
-    as_int = hlo.bitcast_convert(builder.tensor_type(builder.shape_of(x), bits), x)
+    as_int = hlo.bitcast_convert(tensor_type(builder.shape_of(x), bits), x)
     return builder.compare(as_int, builder.constant(0, bits, builder.shape_of(x)), "LT")
 
 
@@ -118,7 +114,7 @@ def _isnan(ctx, x):
 def _isinf(ctx, x):
     if not builder.dtype_of(x).is_floating_point:
         return builder.constant(False, torch.bool, builder.shape_of(x))
-    return builder.compare(hlo.abs(x), _const_like(float("inf"), x), "EQ")
+    return builder.compare(hlo.abs(x), builder.constant_like(float("inf"), x), "EQ")
 
 
 @register_lowering(aten.isfinite.default, promote=K.ALWAYS_BOOL)
@@ -132,21 +128,21 @@ def _isfinite(ctx, x):
 def _relu(ctx, x):
     if builder.dtype_of(x) is torch.bool:
         return x
-    return hlo.maximum(x, _const_like(0, x))
+    return hlo.maximum(x, builder.constant_like(0, x))
 
 
 @register_lowering(aten.gelu.default, promote=K.DEFAULT)
 def _gelu(ctx, x, approximate="none"):
-    half = _const_like(0.5, x)
-    one = _const_like(1.0, x)
+    half = builder.constant_like(0.5, x)
+    one = builder.constant_like(1.0, x)
     if approximate == "tanh":
         inner = hlo.multiply(
-            _const_like(math.sqrt(2.0 / math.pi), x),
-            hlo.add(x, hlo.multiply(_const_like(0.044715, x), hlo.multiply(x, hlo.multiply(x, x)))),
+            builder.constant_like(math.sqrt(2.0 / math.pi), x),
+            hlo.add(x, hlo.multiply(builder.constant_like(0.044715, x), hlo.multiply(x, hlo.multiply(x, x)))),
         )
         return hlo.multiply(hlo.multiply(half, x), hlo.add(one, hlo.tanh(inner)))
     # x * Φ(x) with Φ(x) = erfc(-x / √2) / 2: no cancellation in 1 + erf(x / √2) for negative x.
-    cdf = hlo.multiply(half, chlo.erfc(hlo.multiply(x, _const_like(-1.0 / math.sqrt(2.0), x))))
+    cdf = hlo.multiply(half, chlo.erfc(hlo.multiply(x, builder.constant_like(-1.0 / math.sqrt(2.0), x))))
     return hlo.multiply(x, cdf)
 
 
@@ -161,29 +157,31 @@ def _nan_to_num(ctx, x, nan=None, posinf=None, neginf=None):
     if not dtype.is_floating_point:
         return x
     info = torch.finfo(ctx.aval_out.dtype)  # the bounds of the result dtype, not of the (f32) compute dtype
-    x = builder.select(builder.is_nan(x), _const_like(0.0 if nan is None else nan, x), x)
-    x = builder.select(builder.compare(x, _const_like(float("inf"), x), "EQ"),
-                       _const_like(info.max if posinf is None else posinf, x), x)
-    return builder.select(builder.compare(x, _const_like(float("-inf"), x), "EQ"),
-                          _const_like(info.min if neginf is None else neginf, x), x)
+    x = builder.select(builder.is_nan(x), builder.constant_like(0.0 if nan is None else nan, x), x)
+    x = builder.select(builder.compare(x, builder.constant_like(float("inf"), x), "EQ"),
+                       builder.constant_like(info.max if posinf is None else posinf, x), x)
+    return builder.select(builder.compare(x, builder.constant_like(float("-inf"), x), "EQ"),
+                          builder.constant_like(info.min if neginf is None else neginf, x), x)
 
 
 @register_lowering(aten.leaky_relu.default, promote=K.DEFAULT, operands=(0,))
 def _leaky_relu(ctx, x, negative_slope=0.01):
-    positive = builder.compare(x, _const_like(0, x), "GT")
-    return builder.select(positive, x, hlo.multiply(x, _const_like(negative_slope, x)))
+    positive = builder.compare(x, builder.constant_like(0, x), "GT")
+    return builder.select(positive, x, hlo.multiply(x, builder.constant_like(negative_slope, x)))
 
 
 @register_lowering(aten.hardtanh.default, promote=K.DEFAULT, operands=(0,))
 def _hardtanh(ctx, x, min_val=-1.0, max_val=1.0):
     """A clamp: NaN stays NaN, and ``min_val > max_val`` gives ``max_val``, as in eager."""
-    return hlo.minimum(hlo.maximum(x, _const_like(min_val, x)), _const_like(max_val, x))
+    return hlo.minimum(hlo.maximum(x, builder.constant_like(min_val, x)), builder.constant_like(max_val, x))
 
 
 @register_lowering(aten.elu.default, promote=K.DEFAULT, operands=(0,))
 def _elu(ctx, x, alpha=1.0, scale=1.0, input_scale=1.0):
     """``scale * x`` for ``x > 0``, else ``alpha * scale * expm1(input_scale * x)`` (ELU, SELU, CELU)."""
-    coefficient = hlo.multiply(_const_like(alpha, x), _const_like(scale, x))  # rounded as eager rounds it
-    negative = hlo.multiply(hlo.exponential_minus_one(hlo.multiply(x, _const_like(input_scale, x))), coefficient)
-    positive = hlo.multiply(x, _const_like(scale, x))
-    return builder.select(builder.compare(x, _const_like(0, x), "LE"), negative, positive)
+    # alpha * scale rounded to x's dtype, as eager rounds it
+    coefficient = hlo.multiply(builder.constant_like(alpha, x), builder.constant_like(scale, x))
+    inner = hlo.multiply(x, builder.constant_like(input_scale, x))
+    negative = hlo.multiply(hlo.exponential_minus_one(inner), coefficient)
+    positive = hlo.multiply(x, builder.constant_like(scale, x))
+    return builder.select(builder.compare(x, builder.constant_like(0, x), "LE"), negative, positive)

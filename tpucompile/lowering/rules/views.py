@@ -7,6 +7,7 @@ import math
 
 import numpy as np
 import torch
+from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import stablehlo as hlo
 
 from tpucompile.errors import UnsupportedOpError
@@ -400,7 +401,7 @@ def _as_flat_range(indices: np.ndarray) -> tuple[int, int] | None:
     return int(flat[0]), step
 
 
-def gather_flat(x, indices: np.ndarray):
+def gather_flat(x: ir.Value, indices: np.ndarray) -> ir.Value:
     """``x.reshape(-1)[indices]`` for a constant index array (any shape)."""
     flat = builder.reshape(x, (math.prod(builder.shape_of(x)),))
     out_shape = tuple(indices.shape)

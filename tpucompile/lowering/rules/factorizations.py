@@ -1,5 +1,5 @@
-"""Matrix decompositions: SVD, symmetric eigendecomposition, QR and Householder products, LDL^T (Bunch-Kaufman),
-the pseudo-inverse and the matrix exponential.
+"""Matrix factorisations: SVD, symmetric eigendecomposition, QR and Householder products, LDL^T (Bunch-Kaufman);
+also the pseudo-inverse and the matrix exponential.
 
 All are jax functions spliced in through ``jax_bridge``: ``jax.numpy.linalg``,
 ``jax.lax.linalg`` and ``jax.scipy.linalg`` where they have the routine (SVD, eigh, QR, ``orgqr``, ``expm``),
@@ -25,8 +25,8 @@ PyTorch's CPU build (MKL) computes them, which differs from the reference LAPACK
   where MKL and reference LAPACK agree and jax's eigh is used). MKL's ``ssteqr`` is the reference iteration
   with LAPACK's pre-3.10 ``slartg``; ``_steqr`` reproduces it. The signs that QL/QR iteration leaves on the
   eigenvectors hinge, for some matrices, on the rounding of nearly cancelling quantities, so they can still
-  differ from eager's where the float32 arithmetic differs (by experiment: ~0.5% of random 5x5 matrices,
-  ~8% at 12x12, ~25% at 20x20; with reference LAPACK's conventions it would be ~80% at 5x5).
+  differ from eager's where the float32 arithmetic differs (rarely for small matrices, more often for larger
+  ones; far more often with reference LAPACK's conventions).
 """
 
 from __future__ import annotations
@@ -48,21 +48,8 @@ Value = ir.Value
 # --- shared ---------------------------------------------------------------------------------------------------
 
 
-def _numel(shape) -> int:
-    return math.prod(shape)
-
-
 def _zeros(spec: TensorSpec) -> Value:
     return builder.constant(0, spec.dtype, spec.shape)
-
-
-def _eye(spec: TensorSpec) -> Value:
-    """The identity in the last two dims of ``spec`` (any rectangle: ones where row == column)."""
-    shape = spec.shape
-    rank = len(shape)
-    diagonal = builder.compare(builder.iota(shape, torch.int64, rank - 2), builder.iota(shape, torch.int64, rank - 1),
-                               "EQ")
-    return builder.convert(diagonal, spec.dtype)
 
 
 def _identity_or_zeros(spec: TensorSpec | None) -> Value | None:
@@ -70,13 +57,9 @@ def _identity_or_zeros(spec: TensorSpec | None) -> Value | None:
     (a complete Q or U of a matrix with no columns, a complete Vh of one with no rows), else empty."""
     if spec is None:
         return None
-    if _numel(spec.shape) == 0 or len(spec.shape) < 2:
+    if builder.numel(spec.shape) == 0 or len(spec.shape) < 2:
         return _zeros(spec)
-    return _eye(spec)
-
-
-def _specs(ctx) -> list[TensorSpec]:
-    return list(ctx.avals_out)
+    return builder.eye(spec.shape, spec.dtype)
 
 
 def _batched(fn, *arrays, core_ranks):
@@ -246,7 +229,7 @@ def _jax_svd(a, full_matrices: bool, compute_uv: bool):
 @register_lowering(aten._linalg_svd.default)
 def _linalg_svd(ctx, a, full_matrices=False, compute_uv=True, *, driver=None):
     specs = ctx.avals_out
-    if _numel(builder.shape_of(a)) == 0:
+    if builder.numel(builder.shape_of(a)) == 0:
         # No matrix entries: S is empty; a full U or Vh of a matrix with no rows or columns is the identity.
         return [_identity_or_zeros(spec) for spec in specs]
     if not compute_uv:
@@ -491,7 +474,7 @@ def _jax_eigvalsh(a, lower: bool):
 @register_lowering(aten._linalg_eigh.default)
 def _linalg_eigh(ctx, a, UPLO="L", compute_v=True):
     specs = ctx.avals_out
-    if _numel(builder.shape_of(a)) == 0:
+    if builder.numel(builder.shape_of(a)) == 0:
         return [_zeros(spec) for spec in specs]
     lower = UPLO.upper() == "L"
     if not compute_v:
@@ -538,7 +521,7 @@ def _jax_pinv(a, *tolerances, hermitian: bool, has_atol: bool, has_rtol: bool):
 @register_lowering(aten.linalg_pinv.atol_rtol_tensor)
 def _linalg_pinv(ctx, a, atol=None, rtol=None, hermitian=False):
     spec = ctx.aval_out
-    if _numel(builder.shape_of(a)) == 0:
+    if builder.numel(builder.shape_of(a)) == 0:
         return _zeros(spec)
     operands = [a] + [t for t in (atol, rtol) if t is not None]
     params = (hermitian, atol is not None, rtol is not None)
@@ -558,7 +541,7 @@ def _jax_qr(a, mode: str):
 @register_lowering(aten.linalg_qr.default)
 def _linalg_qr(ctx, a, mode="reduced"):
     q_spec, r_spec = ctx.avals_out
-    if _numel(builder.shape_of(a)) == 0:
+    if builder.numel(builder.shape_of(a)) == 0:
         # Q of a matrix with no rows or columns: the (complete) identity, or empty.
         return _identity_or_zeros(q_spec), _zeros(r_spec)
     if mode == "r":
@@ -597,8 +580,8 @@ def _jax_geqrf(a):
 
 @register_lowering(aten.geqrf.default)
 def _geqrf(ctx, a):
-    specs = _specs(ctx)
-    if _numel(builder.shape_of(a)) == 0:
+    specs = list(ctx.avals_out)
+    if builder.numel(builder.shape_of(a)) == 0:
         return [_zeros(spec) for spec in specs]
     return jax_bridge.call("geqrf", _jax_geqrf, [a], specs)
 
@@ -612,10 +595,10 @@ def _jax_householder_product(a, tau):
 @register_lowering(aten.linalg_householder_product.default)
 def _householder_product(ctx, a, tau):
     spec = ctx.aval_out
-    if _numel(spec.shape) == 0:
+    if builder.numel(spec.shape) == 0:
         return _zeros(spec)
     if builder.shape_of(tau)[-1] == 0:
-        return _eye(spec)  # no reflectors: the first n columns of the identity
+        return builder.eye(spec.shape, spec.dtype)  # no reflectors: the first n columns of the identity
     return jax_bridge.call("householder_product", _jax_householder_product, [a, tau], [spec])[0]
 
 
@@ -639,7 +622,7 @@ def _jax_ormqr(a, tau, c, left: bool, transpose: bool):
 @register_lowering(aten.ormqr.default)
 def _ormqr(ctx, a, tau, c, left=True, transpose=False):
     spec = ctx.aval_out
-    if _numel(spec.shape) == 0:
+    if builder.numel(spec.shape) == 0:
         return _zeros(spec)
     if builder.shape_of(tau)[-1] == 0:
         return builder.broadcast_to(c, spec.shape)
@@ -740,8 +723,8 @@ def _jax_ldl_factor(a):
 @register_lowering(aten.linalg_ldl_factor_ex.default)
 def _linalg_ldl_factor_ex(ctx, a, *, hermitian=False, check_errors=False):
     # Real matrices only, so hermitian and symmetric factorisations are the same.
-    specs = _specs(ctx)
-    if _numel(builder.shape_of(a)) == 0:
+    specs = list(ctx.avals_out)
+    if builder.numel(builder.shape_of(a)) == 0:
         return [_zeros(spec) for spec in specs]
     return jax_bridge.call("linalg_ldl_factor_ex", _jax_ldl_factor, [a], specs)
 
@@ -823,7 +806,7 @@ def _jax_ldl_solve(ld, pivots, b):
 @register_lowering(aten.linalg_ldl_solve.default)
 def _linalg_ldl_solve(ctx, ld, pivots, b, *, hermitian=False):
     spec = ctx.aval_out
-    if _numel(spec.shape) == 0:
+    if builder.numel(spec.shape) == 0:
         return _zeros(spec)
     return jax_bridge.call("linalg_ldl_solve", _jax_ldl_solve, [ld, pivots, b], [spec])[0]
 
@@ -840,6 +823,6 @@ def _jax_matrix_exp(a):
 @register_lowering(aten.linalg_matrix_exp.default)
 def _linalg_matrix_exp(ctx, a):
     spec = ctx.aval_out
-    if _numel(spec.shape) == 0:
+    if builder.numel(spec.shape) == 0:
         return _zeros(spec)
     return jax_bridge.call("linalg_matrix_exp", _jax_matrix_exp, [a], [spec])[0]
