@@ -18,7 +18,7 @@ from tpucompile.errors import (
     TpuCompileWarning,
     UnsupportedOpError,
 )
-from tpucompile.sharding import Mesh, ShardPlan, data_parallel, tensor_parallel
+from tpucompile.sharding.plan import Mesh, ShardPlan, data_parallel, tensor_parallel
 
 __all__ = [
     "CacheMissError",

@@ -12,7 +12,7 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-from tpucompile.passes.decompositions import scaled_dot_product_attention
+from tpucompile.frontend.decompositions import scaled_dot_product_attention
 
 _ATTENTION_TARGETS = {
     F.scaled_dot_product_attention,

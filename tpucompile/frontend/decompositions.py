@@ -31,7 +31,7 @@ _FROM_TORCH = [
 ]
 
 # Lowered directly (one fused unit for XLA); the core table would otherwise break them up.
-_LOWERED_WHOLE = [
+LOWERED_WHOLE = [
     aten._softmax.default,
     aten._log_softmax.default,
     aten._softmax_backward_data.default,  # computed in f32 for bf16/f16, as eager's kernels do
@@ -127,7 +127,7 @@ def decomposition_table() -> dict[torch._ops.OpOverload, Callable]:
     """The table handed to AOTAutograd (built once; treat it as read-only)."""
     table = dict(core_aten_decompositions())
     table.update(get_decompositions(_FROM_TORCH))
-    for op in _LOWERED_WHOLE:
+    for op in LOWERED_WHOLE:
         table.pop(op, None)
     table[aten._native_batch_norm_legit_functional.default] = batch_norm_functional
     table[aten.unique_consecutive.default] = unique_consecutive_normalized_dim

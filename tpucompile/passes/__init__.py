@@ -1,6 +1,7 @@
-"""Graph → graph passes over functional ATen FX graphs, run before lowering.
+"""ATen → ATen passes over the functional graphs AOTAutograd makes, run before lowering.
 
-Each pass is a small function with its own test; ``run_passes`` is the order the compiler uses.
+Each pass is a small function with its own test; ``run_passes`` is the order the compiler uses. Rewrites of
+Dynamo's torch-level graph (before AOTAutograd) live in ``tpucompile.frontend``.
 """
 
 from __future__ import annotations
@@ -11,15 +12,12 @@ from collections.abc import Callable
 import torch
 import torch.fx
 
-from tpucompile.passes.attention import rewrite_attention
 from tpucompile.passes.constants import lift_large_constants
 from tpucompile.passes.dead_code import eliminate_dead_code
-from tpucompile.passes.decompositions import decomposition_table
-from tpucompile.passes.interpolation import rewrite_interpolation
 from tpucompile.passes.noop_views import remove_noop_views
 from tpucompile.passes.partition import isolate_node, partition_supported
-from tpucompile.passes.sharding import annotate_shardings, bind_sharding, dtensor_outputs, record_layouts
-from tpucompile.sharding import Mesh, ShardPlan
+from tpucompile.sharding.annotate import annotate_shardings
+from tpucompile.sharding.plan import Mesh, ShardPlan
 
 
 @dataclasses.dataclass
@@ -34,9 +32,11 @@ def run_passes(
     after_pass: Callable[[str, torch.fx.GraphModule], None] | None = None,
     mesh: Mesh | None = None,
     plan: ShardPlan | None = None,
+    processes: int = 1,
 ) -> PassResult:
     """Clean ``gm`` in place: drop no-op views and dead code, lift large constants; with a ``mesh``, annotate
-    the inputs and outputs with their shardings (``plan``: a plan bound to the graph's Dynamo inputs).
+    the inputs and outputs with their shardings (``plan``: a plan bound to the graph's Dynamo inputs;
+    ``processes``: how many processes share the mesh).
 
     ``after_pass(name, gm)``, when given, sees the graph after each pass (dumps show every step).
     """
@@ -50,7 +50,7 @@ def run_passes(
     if after_pass:
         after_pass("lift_large_constants", gm)
     if mesh is not None:
-        annotate_shardings(gm, mesh, plan or ShardPlan())
+        annotate_shardings(gm, mesh, plan or ShardPlan(), processes)
         if after_pass:
             after_pass("annotate_shardings", gm)
     return PassResult(lifted_constants=lifted)
@@ -58,17 +58,10 @@ def run_passes(
 
 __all__ = [
     "PassResult",
-    "annotate_shardings",
-    "bind_sharding",
-    "decomposition_table",
-    "dtensor_outputs",
     "eliminate_dead_code",
     "isolate_node",
     "lift_large_constants",
     "partition_supported",
-    "record_layouts",
     "remove_noop_views",
-    "rewrite_attention",
-    "rewrite_interpolation",
     "run_passes",
 ]

@@ -10,7 +10,7 @@ plan does not name is replicated, and outputs come back whole.
 
 Sharding never changes what a program computes, only where its data lives: one SPMD program is compiled and
 XLA's partitioner inserts the collectives. This module is plain Python (no torch, no jax), so plans can be
-built and checked anywhere; ``tpucompile.passes.sharding`` applies them to graphs.
+built and checked anywhere; ``tpucompile.sharding.binding`` and ``annotate`` apply them to graphs.
 """
 
 from __future__ import annotations

@@ -1,0 +1,125 @@
+"""The names a sharding plan uses for a Dynamo graph's values: parameters and buffers by their path in the
+module (recovered from Dynamo's source of each placeholder), arguments by their name in the forward, outputs as
+``output:N``, and what a submodule returns as ``path:output``."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.fx
+
+from tpucompile.sharding.plan import GraphValue
+
+
+def graph_outputs(gm: torch.fx.GraphModule) -> list[GraphValue]:
+    """The outputs of a Dynamo graph, named ``output:N`` (what a plan names to keep an output split)."""
+    results = gm.graph.output_node().args[0]
+    found = []
+    for index, result in enumerate(results if isinstance(results, (list, tuple)) else [results]):
+        example = result.meta.get("example_value") if isinstance(result, torch.fx.Node) else None
+        shape = tuple(int(s) for s in example.shape) if isinstance(example, torch.Tensor) else None
+        dtype = str(example.dtype).removeprefix("torch.") if shape is not None else ""
+        found.append(GraphValue(f"output:{index}", shape, dtype=dtype, is_output=True))
+    return found
+
+
+def graph_activations(gm: torch.fx.GraphModule) -> list[GraphValue]:
+    """The values submodules return, named ``path:output`` (what a plan names to constrain them)."""
+    found = []
+    for path, nodes in module_outputs(gm).items():
+        for node in nodes:
+            example = node.meta.get("example_value", node.meta.get("val"))
+            shape = tuple(int(s) for s in example.shape)
+            found.append(GraphValue(f"{path}:output", shape, dtype=str(example.dtype).removeprefix("torch."),
+                                    is_activation=True))
+    return found
+
+
+_MODULE_ROOT = re.compile(r"""^[LG]\[['"][^'"]+['"]\]\.?""")
+
+
+def module_outputs(gm: torch.fx.GraphModule) -> dict[str, list[torch.fx.Node]]:
+    """For each submodule (by path in the compiled module), the tensor nodes it computes that are used outside
+    it: what it returns. Dynamo records the modules each node was traced in (``nn_module_stack``), and
+    AOTAutograd keeps the record on the forward's ATen nodes."""
+
+    def scopes(node: torch.fx.Node) -> set[str]:
+        stack = node.meta.get("nn_module_stack") or {}
+        return {_MODULE_ROOT.sub("", str(value[0])) for value in stack.values()}
+
+    found: dict[str, list[torch.fx.Node]] = {}
+    for node in gm.graph.nodes:
+        value = node.meta.get("example_value", node.meta.get("val"))
+        if node.op != "call_function" or not isinstance(value, torch.Tensor):
+            continue
+        inside = scopes(node)
+        for path in sorted(inside):
+            if path and any(user.op == "output" or path not in scopes(user) for user in node.users):
+                found.setdefault(path, []).append(node)
+    return found
+
+
+def graph_inputs(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> list[GraphValue]:
+    """What a plan is matched against: each input of a Dynamo graph, named by where Dynamo found it."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    found = []
+    for index, example in enumerate(example_inputs):
+        node = placeholders[index] if index < len(placeholders) else None
+        source = _source_name(node)
+        name = input_name(source) if source else (node.name if node is not None else f"input{index}")
+        if not isinstance(example, torch.Tensor):
+            found.append(GraphValue(name, None))
+            continue
+        is_state = isinstance(example, torch.nn.Parameter) or bool(
+            source and re.search(r"\._(parameters|buffers)\[", source)
+        )
+        shape = tuple(int(s) for s in example.shape)
+        found.append(GraphValue(name, shape, is_state, str(example.dtype).removeprefix("torch.")))
+    return found
+
+
+def _source_name(node: torch.fx.Node | None) -> str | None:
+    if node is None:
+        return None
+    grapharg = node.meta.get("grapharg")
+    source = getattr(grapharg, "source", None) or getattr(node, "_dynamo_source", None)
+    if source is None:
+        return None
+    name = source.name
+    return name() if callable(name) else str(name)
+
+
+_ROOT = re.compile(r"""^[LG]\[['"](?P<name>[^'"]+)['"]\]""")
+
+
+_STEP = re.compile(
+    r"""\._(?P<kind>modules|parameters|buffers)\[['"](?P<member>[^'"]+)['"]\]"""
+    r"""|\.(?P<attr>[A-Za-z_]\w*)"""
+    r"""|\[['"](?P<key>[^'"]+)['"]\]"""
+    r"""|\[(?P<index>-?\d+)\]"""
+)
+
+
+def input_name(source: str) -> str:
+    """``L['self']._modules['blocks']._modules['0']._parameters['weight']`` → ``blocks.0.weight`` (the path in
+    the compiled module, whatever Dynamo's frame called it); ``L['idx']`` → ``idx``. A source of another form
+    is returned as is."""
+    root = _ROOT.match(source)
+    if root is None:
+        return source
+    parts = [root["name"]]
+    position = root.end()
+    in_module = False
+    while position < len(source):
+        step = _STEP.match(source, position)
+        if step is None:
+            return source
+        if step["kind"] and len(parts) == 1:
+            in_module = True
+        parts.append(next(v for k, v in step.groupdict().items() if v is not None and k != "kind"))
+        position = step.end()
+    return ".".join(parts[1:] if in_module else parts)
+
