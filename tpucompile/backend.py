@@ -4,7 +4,7 @@ Dynamo hands us an FX graph of torch-level ops. AOTAutograd functionalises it an
 table, turns it into ATen graphs: one for inference, or a forward and a backward for training. Each ATen graph
 is compiled by ``driver.compile_graph``. Input mutations (BatchNorm running stats, in-place updates of
 buffers) are returned by the functional graph and written back by AOTAutograd's runtime wrapper. On a warm
-start, a graph whose plan is cached skips AOTAutograd altogether (``aot_cache``); on a cold one, such a graph
+start, a graph whose plan is cached skips AOTAutograd altogether (``warm_start``); on a cold one, such a graph
 runs through AOTAutograd's wrapper only until its plan is complete, then through the plan's runner.
 """
 
@@ -19,16 +19,12 @@ import torch.fx
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
-from tpucompile import aot_cache, dump
+from tpucompile import warm_start
 from tpucompile.config import Options
+from tpucompile.debug import recorder as dump
 from tpucompile.driver import compile_graph, record_graph
-from tpucompile.passes import (
-    bind_sharding,
-    decomposition_table,
-    dtensor_outputs,
-    rewrite_attention,
-    rewrite_interpolation,
-)
+from tpucompile.frontend import decomposition_table, rewrite_attention, rewrite_interpolation
+from tpucompile.sharding.binding import bind_sharding, dtensor_outputs
 
 _graph_counter = itertools.count()
 
@@ -50,12 +46,12 @@ def tpucompile_backend(
         record_graph(f"graph {index}", "fx_rewrite_interpolation", gm)
 
     recorder = None
-    components = aot_cache.plan_components(gm, example_inputs, config)
+    components = warm_start.plan_components(gm, example_inputs, config)
     if components is not None and not dump.active():
-        compiled = aot_cache.compiled_from_plan(components, config, f"graph {index}")
+        compiled = warm_start.compiled_from_plan(components, config, f"graph {index}")
         if compiled is not None:
             return compiled
-        recorder = aot_cache.PlanRecorder(components, config, len(example_inputs))
+        recorder = warm_start.PlanRecorder(components, config, len(example_inputs))
 
     def compiler(role: str) -> Callable[[torch.fx.GraphModule, list[Any]], Callable]:
         def compile_role(aten_gm: torch.fx.GraphModule, aten_inputs: list[Any]) -> Callable:

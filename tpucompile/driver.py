@@ -18,28 +18,24 @@ from typing import Any
 import torch
 import torch.fx
 
-from tpucompile import compile_cache, diagnostics
+from tpucompile import artifacts, diagnostics
 from tpucompile.cache import MemoryStore
 from tpucompile.config import Options
 from tpucompile.errors import CompileError, LoweringError, TpuCompileWarning, UnsupportedOpError
 from tpucompile.lowering import LoweredProgram, ShapeBindings, is_symbolic
-from tpucompile.lowering.graph import SEED_POSITION as LOWERED_SEED_POSITION
 from tpucompile.lowering.graph import has_data_dependent_size, unsupported_reason
 from tpucompile.lowering.sharding import program_shardings
-from tpucompile.passes import isolate_node, partition_supported, record_layouts, run_passes
+from tpucompile.passes import isolate_node, partition_supported, run_passes
 from tpucompile.runtime import (
-    CONSTANT,
-    INPUT,
-    RESULT,
-    SEED_POSITION,
-    TRIMMED,
     GraphExecutable,
     ShapeSpecializer,
     ShardedExecutable,
     get_mesh_target,
     get_target,
+    process_count,
 )
-from tpucompile.runtime.topology import compile_targets, spanning
+from tpucompile.runtime.targets.compile_only import compile_targets, spanning
+from tpucompile.sharding.annotate import record_layouts
 
 log = logging.getLogger("tpucompile")
 
@@ -93,7 +89,7 @@ _graph_recorder: GraphRecorder | None = None
 
 def set_graph_recorder(recorder: GraphRecorder | None) -> None:
     """Have ``recorder(name, stage, gm)`` see each graph as it leaves every stage before lowering
-    (``tpucompile.dump`` sets it); None, the default, makes recording a no-op."""
+    (``tpucompile.debug.recorder`` sets it); None, the default, makes recording a no-op."""
     global _graph_recorder
     _graph_recorder = recorder
 
@@ -121,7 +117,7 @@ def graphs_compiled() -> int:
 
 def executable_cache() -> MemoryStore[Any]:
     """The process-wide cache of loaded executables (content-addressed)."""
-    return compile_cache.executable_cache()
+    return artifacts.executable_cache()
 
 
 def compile_graph(
@@ -136,10 +132,11 @@ def compile_graph(
     """
     global _graphs_compiled
     _graphs_compiled += 1
-    compile_cache.executable_cache().resize(options.executable_cache_size)
+    artifacts.executable_cache().resize(options.executable_cache_size)
     record_graph(name, "aot_autograd", gm)
     after_pass = functools.partial(record_graph, name) if _graph_recorder is not None else None
-    passes = run_passes(gm, options.embed_constant_limit, after_pass, options.mesh, options.shard)
+    passes = run_passes(gm, options.embed_constant_limit, after_pass, options.mesh, options.shard,
+                         process_count() if options.mesh is not None else 1)
     unsupported = [n for n in gm.graph.nodes if unsupported_reason(n) is not None]
     data_dependent = [n for n in gm.graph.nodes if has_data_dependent_size(n)]
     if not unsupported and not data_dependent:
@@ -224,9 +221,9 @@ def _compile_region(
     user_arg_count = len(placeholders) - len(lifted_constants)
 
     def build(bindings: ShapeBindings) -> GraphExecutable:
-        program, program_sha256, program_tier = compile_cache.lowered_program(gm, bindings, target, options)
-        loaded = compile_cache.load_executable(program, program_sha256, target, options, name)
-        _notify(name, gm, program, loaded, program_tier)
+        program, program_sha256, program_tier = artifacts.lowered_program(gm, bindings, target, options)
+        loaded = artifacts.load_executable(program, program_sha256, target, options, name)
+        _notify(name, gm, program, program_tier, loaded)
         _compile_for_targets(gm, bindings, program, program_sha256, target, options, name)
         executable = _executable(program, loaded, target, lifted_constants)
         if isinstance(executable, ShardedExecutable) and options.shard is not None:
@@ -253,13 +250,13 @@ def load_compiled_graph(program_key: str, options: Options, name: str) -> GraphE
     skips AOTAutograd has no ATen graph); None when the program is no longer stored."""
     global _graphs_compiled
     target = get_target(options.platform)
-    found = compile_cache.program_from_key(program_key, options)
+    found = artifacts.program_from_key(program_key, options)
     if found is None:
         return None
     program, program_sha256, program_tier = found
     _graphs_compiled += 1
-    loaded = compile_cache.load_executable(program, program_sha256, target, options, name)
-    _notify(name, None, program, loaded, program_tier)
+    loaded = artifacts.load_executable(program, program_sha256, target, options, name)
+    _notify(name, None, program, program_tier, loaded)
     return _executable(program, loaded, target, [])
 
 
@@ -270,15 +267,15 @@ def _target(options: Options) -> Any:
 
 
 def _executable(
-    program: LoweredProgram, loaded: compile_cache.LoadedExecutable, target: Any, lifted_constants: list
+    program: LoweredProgram, loaded: artifacts.LoadedExecutable, target: Any, lifted_constants: list
 ) -> GraphExecutable | ShardedExecutable:
     if len(target.devices) > 1:
         return _sharded_executable(program, loaded, target, lifted_constants)
     executable = GraphExecutable(
         loaded.executable,
         target.device,
-        [SEED_POSITION if p == LOWERED_SEED_POSITION else p for p in program.input_positions],
-        _output_plan(program),
+        program.input_positions,
+        program.output_plan,
         lifted_constants,
         len(program.result_specs),
     )
@@ -289,7 +286,7 @@ def _executable(
 
 
 def _sharded_executable(
-    program: LoweredProgram, loaded: compile_cache.LoadedExecutable, target: Any, lifted_constants: list
+    program: LoweredProgram, loaded: artifacts.LoadedExecutable, target: Any, lifted_constants: list
 ) -> ShardedExecutable:
     layout = program_shardings(program.module)
     if layout is None or layout.partitions != len(target.devices):
@@ -303,8 +300,8 @@ def _sharded_executable(
         [s.shape for s in program.input_specs],
         [(s.shape, s.dtype) for s in program.result_specs],
         [dims is None or any(dims) for dims in layout.results],
-        [SEED_POSITION if p == LOWERED_SEED_POSITION else p for p in program.input_positions],
-        _output_plan(program),
+        program.input_positions,
+        program.output_plan,
         lifted_constants,
     )
     _recent.append(weakref.ref(executable))
@@ -315,28 +312,24 @@ def _notify(
     name: str,
     gm: torch.fx.GraphModule | None,
     program: LoweredProgram,
-    loaded: compile_cache.LoadedExecutable,
     program_tier: str | None,
+    obtained: artifacts.LoadedExecutable | artifacts.TargetOutcome,
 ) -> None:
-    if _observers:
-        event = CompileEvent(
-            name, gm, program, loaded.key, loaded.components, loaded.tier is not None, loaded.seconds,
-            loaded.tier, loaded.saved_seconds, program_tier, loaded.executable,
-        )
-        for observer in list(_observers):
-            observer(event)
-
-
-def _output_plan(program: LoweredProgram) -> list[tuple[int, Any]]:
-    plan = []
-    for slot in program.output_plan:
-        if slot.kind == "result":
-            plan.append((TRIMMED, (slot.index, slot.trim)) if slot.trim else (RESULT, slot.index))
-        elif slot.kind == "input":
-            plan.append((INPUT, slot.index))
-        else:
-            plan.append((CONSTANT, slot.value))
-    return plan
+    """Hand every observer the event of one compile, for this process's devices or a compile-only target."""
+    if not _observers:
+        return
+    for_target: dict[str, Any] = {}
+    if isinstance(obtained, artifacts.TargetOutcome):
+        error = obtained.error
+        for_target = {"target": obtained.target, "report": obtained.report,
+                      "error": str(error) if error is not None else None,
+                      "out_of_memory": bool(getattr(error, "out_of_memory", False))}
+    event = CompileEvent(
+        name, gm, program, obtained.key, obtained.components, obtained.tier is not None, obtained.seconds,
+        obtained.tier, obtained.saved_seconds, program_tier, obtained.executable, **for_target,
+    )
+    for observer in list(_observers):
+        observer(event)
 
 
 def _compile_for_targets(
@@ -351,22 +344,13 @@ def _compile_for_targets(
     for target in compile_targets(options.targets, options.platform):
         target = spanning(target, len(run_target.devices))
         try:
-            target_program, target_sha256, program_tier = compile_cache.lowered_program(
+            target_program, target_sha256, program_tier = artifacts.lowered_program(
                 gm, bindings, target, options, lowered=program)
-            outcome = compile_cache.compile_for_target(target_program, target_sha256, target, options, name,
+            outcome = artifacts.compile_for_target(target_program, target_sha256, target, options, name,
                                                        keep_executable=_graph_recorder is not None)
         except (LoweringError, UnsupportedOpError, CompileError) as error:
             target_program, program_tier = program, None
-            outcome = compile_cache.TargetOutcome(str(target.name), "", {}, None, 0.0, 0.0, {}, error=error)
+            outcome = artifacts.TargetOutcome(str(target.name), "", {}, None, 0.0, 0.0, {}, error=error)
         if outcome.error is not None:
             warnings.warn(f"tpucompile: {outcome.error}", TpuCompileWarning, stacklevel=2)
-        if _observers:
-            event = CompileEvent(
-                name, gm, target_program, outcome.key, outcome.components, outcome.tier is not None,
-                outcome.seconds, outcome.tier, outcome.saved_seconds, program_tier, outcome.executable,
-                target=outcome.target, report=outcome.report,
-                error=str(outcome.error) if outcome.error is not None else None,
-                out_of_memory=bool(getattr(outcome.error, "out_of_memory", False)),
-            )
-            for observer in list(_observers):
-                observer(event)
+        _notify(name, gm, target_program, program_tier, outcome)

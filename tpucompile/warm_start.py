@@ -29,26 +29,22 @@ every graph while a dump is recording (dumps show AOTAutograd's graphs).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
-import pathlib
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.fx
-from torch.fx.node import _get_qualified_name
 
-from tpucompile import compile_cache, diagnostics, driver
-from tpucompile.cache import canonical_json, digest
+from tpucompile import artifacts, driver
 from tpucompile.config import Options
 from tpucompile.lowering import ShapeBindings
-from tpucompile.runtime import RESULT, GraphExecutable, get_target
+from tpucompile.runtime import GraphExecutable, get_target
 
 log = logging.getLogger("tpucompile")
 
-PLAN_SCHEMA = 2
+PLAN_SCHEMA = 3
 _ROLE_ORDER = ("inference", "forward", "backward")
 
 
@@ -65,8 +61,8 @@ def plan_components(
     if len({id(x) for x in example_inputs}) != len(example_inputs):
         return None  # AOTAutograd dedupes repeated arguments; its wrapper would be needed
     try:
-        graph, locations = _graph_encoding(gm)
-    except compile_cache.Uncacheable as why:
+        graph, locations = artifacts.encode_graph(gm, ShapeBindings(), values=False)
+    except artifacts.Uncacheable as why:
         log.debug("tpucompile: no plan for this graph (%s)", why)
         return None
     settings = {f.name: getattr(options, f.name) for f in dataclasses.fields(options)
@@ -74,28 +70,15 @@ def plan_components(
     return {
         "kind": "plan",
         "schema": PLAN_SCHEMA,
-        "graph": digest(canonical_json({"nodes": graph})),
-        "locations": digest(canonical_json({"locations": locations})),  # the programs carry the user's lines
+        "graph": graph,
+        "locations": locations,  # the programs carry the user's lines
         "inputs": [_describe(x) for x in example_inputs],
         "grad_enabled": torch.is_grad_enabled(),
         "autocast": [torch.is_autocast_enabled("cpu"), str(torch.get_autocast_dtype("cpu"))],
         "options": {k: v if isinstance(v, (bool, int, float, str, type(None))) else repr(v)
                     for k, v in sorted(settings.items())},
-        "torch": torch.__version__,
-        "plan_sources": _plan_sources_digest(),
-        **compile_cache.environment(get_target(options.platform)),
+        **artifacts.environment(get_target(options.platform)),
     }
-
-
-@functools.cache
-def _plan_sources_digest() -> str:
-    """SHA-256 of the code that decides what AOTAutograd is asked to do and how a plan is run: the backend,
-    this module, and the passes that rewrite the Dynamo graph before AOTAutograd traces it (their output
-    keeps the graph's digest: a call is pointed at a function of the same name)."""
-    package = pathlib.Path(__file__).resolve().parent
-    sources = [package / "backend.py", package / "aot_cache.py", package / "passes" / "attention.py",
-               package / "passes" / "interpolation.py"]
-    return digest(b"\0".join(path.read_bytes() for path in sources))
 
 
 def _is_symbolic(tensor: torch.Tensor) -> bool:
@@ -105,52 +88,6 @@ def _is_symbolic(tensor: torch.Tensor) -> bool:
 def _describe(tensor: torch.Tensor) -> list[Any]:
     return [str(tensor.dtype), list(tensor.shape), list(tensor.stride()), tensor.requires_grad,
             str(tensor.device.type)]
-
-
-def _graph_encoding(gm: torch.fx.GraphModule) -> tuple[list[dict[str, Any]], list[Any]]:
-    """A canonical, typed encoding of a Dynamo graph (ops by qualified name, arguments by value) and the
-    user's source line of each node."""
-    bindings = ShapeBindings()
-    nodes = []
-    locations = []
-    for node in gm.graph.nodes:
-        where = diagnostics.source_location(node)
-        locations.append([where.file, where.line] if where else None)
-        record: dict[str, Any] = {"op": node.op, "name": node.name}
-        if node.op == "call_function":
-            record["target"] = _function_name(node.target)
-        elif node.op == "call_method":
-            record["target"] = str(node.target)
-        elif node.op == "get_attr":
-            record["target"] = str(node.target)
-            record["value"] = compile_cache.encode_constant(_attribute(gm, str(node.target)))
-        elif node.op not in ("placeholder", "output"):
-            raise compile_cache.Uncacheable(f"node kind {node.op}")
-        if node.op != "placeholder":
-            record["args"] = compile_cache.encode_argument(node.args, bindings)
-            record["kwargs"] = compile_cache.encode_argument(dict(node.kwargs), bindings)
-        nodes.append(record)
-    return nodes, locations
-
-
-def _function_name(target: Any) -> str:
-    """The importable name of a graph function; anything local or anonymous has no stable identity."""
-    if isinstance(target, torch._ops.OpOverload):
-        return str(target)
-    try:
-        name = _get_qualified_name(target)
-    except Exception as error:
-        raise compile_cache.Uncacheable(f"function {target!r} has no qualified name") from error
-    if "<" in name:
-        raise compile_cache.Uncacheable(f"function {name} is local")
-    return name
-
-
-def _attribute(gm: torch.fx.GraphModule, path: str) -> Any:
-    value: Any = gm
-    for part in path.split("."):
-        value = getattr(value, part)
-    return value
 
 
 # -- recording a plan on a cold start --------------------------------------------------------------------
@@ -260,7 +197,7 @@ class PlanRecorder:
             self.runner = _training_runner(self.roles, self.executables["forward"], self.executables["backward"])
         else:
             self.runner = _inference_runner(self.executables["inference"])
-        compile_cache.store_plan(self.components, plan, time.perf_counter() - self.start, self.options)
+        artifacts.store_plan(self.components, plan, time.perf_counter() - self.start, self.options)
 
 
 _PLAIN_OUTPUTS = ("non_alias", "unsafe_view_alias")
@@ -284,7 +221,7 @@ def _outputs(gm: torch.fx.GraphModule) -> list[Any]:
 
 def compiled_from_plan(components: dict[str, Any], options: Options, name: str) -> Callable[..., Any] | None:
     """The callable Dynamo needs for the graph of ``components``, built from a cached plan; None without one."""
-    found = compile_cache.load_plan(components, options)
+    found = artifacts.load_plan(components, options)
     if found is None:
         return None
     plan, _ = found
@@ -325,9 +262,9 @@ def _training_runner(
     differentiable = roles["forward"]["differentiable"]
     updated = roles["forward"]["updated"]
     first_output = len(updated)
-    saved_kinds = [kind for kind, _ in forward.output_plan[returns:]]
-    computed_slots = [i for i, kind in enumerate(saved_kinds) if kind == RESULT]
-    argument_slots = [i for i, kind in enumerate(saved_kinds) if kind != RESULT]
+    saved_kinds = [slot.kind for slot in forward.output_plan[returns:]]
+    computed_slots = [i for i, kind in enumerate(saved_kinds) if kind == "result"]
+    argument_slots = [i for i, kind in enumerate(saved_kinds) if kind != "result"]
     # Compiled autograd traces the backward of Python autograd.Functions with Dynamo: the program call is
     # opaque to it, as AOTAutograd's compiled backward is (traced, its resident-buffer lookups would guard
     # on tensor ids and recompile every step).

@@ -16,19 +16,17 @@ from tpucompile.cache.keys import (
     program_key_components,
 )
 from tpucompile.cache.local import LocalStore, default_root
-from tpucompile.cache.memory import CacheStats, MemoryStore, Store
-from tpucompile.cache.tiered import MODES, PersistentCache
+from tpucompile.cache.memory import CacheStats, MemoryStore
+from tpucompile.cache.tiered import PersistentCache
 
 __all__ = [
     "ENVIRONMENT_COMPONENTS",
-    "MODES",
     "CacheStats",
     "CorruptEntryError",
     "Entry",
     "LocalStore",
     "MemoryStore",
     "PersistentCache",
-    "Store",
     "cache_key",
     "canonical_json",
     "decode",

@@ -25,15 +25,15 @@ ENVIRONMENT_COMPONENTS = (
     "host_blas",
     "xla_flags",
     "tpucompile",
-    "lowering_sources",
-    "decompositions",
+    "tpucompile_sources",
+    "torch",
 )
 """Components that describe the machine and software rather than the program: an entry whose values differ
 from this process's cannot be used here (a bundle import says which one). For a compile-only target
 (``tpu:v5e:2x2``) platform, platform_version, device_kind, device_count and topology come from the target's
 devices as libtpu describes them, so that they equal what a host of that slice computes for itself.
 ``host_blas`` fingerprints the BLAS kernels CPU programs call for matrix products (None where XLA's own dots
-run)."""
+run); ``tpucompile_sources`` is a digest of every source file of the package, ``torch`` torch's version."""
 
 
 def canonical_json(components: Mapping[str, Any]) -> bytes:
@@ -78,7 +78,7 @@ def executable_key_components(
     """
     return {
         "kind": "executable",
-        "program": program if _is_digest(program) else digest(program),
+        "program": program if is_key(program) else digest(program),
         "inputs": [[dtype, list(shape)] for dtype, shape in inputs],
         "outputs": [[dtype, list(shape)] for dtype, shape in outputs],
         "compile_options": digest(compile_options),
@@ -112,6 +112,3 @@ def environment_mismatches(components: Mapping[str, Any], environment: Mapping[s
         if canonical_json({"v": components.get(name)}) != canonical_json({"v": environment.get(name)})
     }
 
-
-def _is_digest(text: str) -> bool:
-    return is_key(text)

@@ -1,8 +1,7 @@
 """The in-process tier: loaded executables by key, least recently used dropped first.
 
 Deserialising or recompiling an executable costs milliseconds to seconds; keeping loaded ones here makes a
-second ``torch.compile`` of the same model in one process free. The persistent tiers implement the same
-``Store`` interface with bytes as values.
+second ``torch.compile`` of the same model in one process free.
 """
 
 from __future__ import annotations
@@ -10,17 +9,9 @@ from __future__ import annotations
 import collections
 import dataclasses
 import threading
-from typing import Generic, Protocol, TypeVar
+from typing import Generic, TypeVar
 
 V = TypeVar("V")
-
-
-class Store(Protocol[V]):
-    """What every cache tier offers: look up and publish entries by key."""
-
-    def get(self, key: str) -> V | None: ...
-
-    def put(self, key: str, value: V) -> None: ...
 
 
 @dataclasses.dataclass

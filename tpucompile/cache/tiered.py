@@ -24,10 +24,10 @@ from tpucompile.cache.index import Index
 from tpucompile.cache.keys import component_digests
 from tpucompile.cache.local import LocalStore
 from tpucompile.cache.remote import GuardedRemote
+from tpucompile.config import CACHE_MODES
 
 log = logging.getLogger("tpucompile")
 
-MODES = ("read-write", "read-only", "off", "strict")
 
 
 class PersistentCache:
@@ -41,8 +41,8 @@ class PersistentCache:
         max_size: int | None = None,
         remote_timeout: float = 3.0,
     ) -> None:
-        if mode not in MODES:
-            raise ValueError(f"cache mode must be one of {', '.join(MODES)}, got {mode!r}")
+        if mode not in CACHE_MODES:
+            raise ValueError(f"cache mode must be one of {', '.join(CACHE_MODES)}, got {mode!r}")
         self.mode = mode
         self.writable = mode in ("read-write", "strict")
         self.max_size = max_size

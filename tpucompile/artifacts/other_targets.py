@@ -1,0 +1,84 @@
+"""Executables for compile-only targets (``options.targets``, e.g. ``tpu:v5e:2x2``): compiled here, stored
+under the key a host of that target computes for the program, never loaded here."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any
+
+from jax.extend.mlir import ir
+
+from tpucompile.artifacts import stores
+from tpucompile.artifacts.executables import executable_components, miss_message
+from tpucompile.cache import Entry, cache_key
+from tpucompile.config import Options
+from tpucompile.errors import CacheMissError
+from tpucompile.lowering import LoweredProgram
+from tpucompile.lowering.context import mlir_context
+from tpucompile.runtime import Target
+from tpucompile.runtime.targets.cross_compile import TargetCompileError, compile_for
+
+log = logging.getLogger("tpucompile")
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetOutcome:
+    """What compiling one program for one compile-only target gave."""
+
+    target: str
+    key: str
+    components: dict[str, Any]
+    tier: str | None
+    """"local" or "remote" when the cache held the executable already; None when it was compiled now."""
+    seconds: float
+    saved_seconds: float
+    report: dict[str, Any]
+    """Bytes per chip by use and flops (from the compile, or as recorded with the cached entry)."""
+    executable: Any = None
+    """The (unloaded) executable, when it was compiled in this process."""
+    error: TargetCompileError | None = None
+    """Why the target's compiler refused the program (nothing is stored then)."""
+
+
+def compile_for_target(
+    program: LoweredProgram, program_sha256: str, target: Target, options: Options, name: str,
+    keep_executable: bool = False,
+) -> TargetOutcome:
+    """The executable of ``program`` for compile-only ``target``, from the cache or compiled now and stored
+    under the key a host of that target computes for it. ``keep_executable`` compiles even on a hit, so that
+    the caller can read the optimised HLO (the executable cannot be loaded here)."""
+    components = executable_components(program, program_sha256, target, options)
+    key = cache_key(components)
+    start = time.perf_counter()
+    cache = stores.persistent_cache(options)
+    found = cache.get(key) if cache is not None else None
+    if found is not None and not keep_executable:
+        entry, tier = found
+        cache.record_hit(key, entry.compile_seconds)
+        return TargetOutcome(str(target.name), key, components, tier, time.perf_counter() - start,
+                             entry.compile_seconds, dict(entry.metadata.get("report") or {}))
+    if found is None and options.cache_mode == "strict":
+        raise CacheMissError(miss_message(f"{name} for {target.name}", key, components, cache))
+    with mlir_context():
+        module = ir.Module.parse(program.bytecode())  # a copy: compiling may change the module it is given
+    try:
+        compiled = compile_for(module, target, name)
+    except TargetCompileError as error:
+        return TargetOutcome(str(target.name), key, components, None, time.perf_counter() - start, 0.0, {},
+                             error=error)
+    report = compiled.report()
+    if found is not None:
+        entry, tier = found
+        cache.record_hit(key, entry.compile_seconds)
+        return TargetOutcome(str(target.name), key, components, tier, time.perf_counter() - start,
+                             entry.compile_seconds, report, compiled.executable)
+    if cache is not None:
+        cache.record_miss()
+        if cache.writable:
+            cache.put(Entry.create(components, compiled.serialize(),
+                                   {"name": name, "target": target.name, "report": report}, compiled.seconds))
+    log.debug("%s: compiled for %s in %.1f ms (key %s)", name, target.name, compiled.seconds * 1e3, key[:12])
+    return TargetOutcome(str(target.name), key, components, None, time.perf_counter() - start, 0.0, report,
+                         compiled.executable)
