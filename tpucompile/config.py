@@ -6,13 +6,14 @@ option is refused with the list of valid ones, so a typo never silently compiles
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from tpucompile.errors import OptionsError
-from tpucompile.sharding import Mesh, ShardPlan, mesh_option, shard_option
+from tpucompile.sharding.plan import Mesh, ShardPlan, mesh_option, shard_option
 from tpucompile.targets import parse as parse_target
 
 ENV_PREFIX = "TPUCOMPILE_"
@@ -100,7 +101,7 @@ class Options:
         cls, options: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None
     ) -> Options:
         """Combine defaults, ``TPUCOMPILE_<NAME>`` environment variables and explicit options."""
-        environ = os.environ if environ is None else environ
+        environ = effective_environ() if environ is None else environ
         valid = cls.field_names()
         values: dict[str, Any] = {}
         fields = {f.name: f for f in dataclasses.fields(cls)}
@@ -117,8 +118,41 @@ class Options:
         return cls(**values)
 
 
-_CHOICES = {"fallback": ("eager", "error"), "host_kernels": ("auto", "on", "off"),
-            "cache_mode": ("read-write", "read-only", "off", "strict")}
+_overrides: dict[str, str] = {}
+
+
+@contextlib.contextmanager
+def environment_overrides(**values: str) -> Iterator[None]:
+    """Within the block, options read from the environment see ``values`` (option name → the text its
+    ``TPUCOMPILE_<NAME>`` variable would hold) in place of those variables, in this whole process.
+
+    How the command line configures a script it runs in its own process without writing to ``os.environ``:
+    explicit ``torch.compile`` options still win, and the earlier overrides are back when the block ends.
+    """
+    global _overrides
+    unknown = sorted(set(values) - set(Options.field_names()))
+    if unknown:
+        raise OptionsError(f"unknown tpucompile option(s) {', '.join(unknown)}")
+    saved = _overrides
+    _overrides = {**saved, **values}
+    try:
+        yield
+    finally:
+        _overrides = saved
+
+
+def effective_environ() -> Mapping[str, str]:
+    """``os.environ`` as options read it: with the ``environment_overrides`` in force applied."""
+    if not _overrides:
+        return os.environ
+    return {**os.environ, **{ENV_PREFIX + name.upper(): value for name, value in _overrides.items()}}
+
+
+CACHE_MODES = ("read-write", "read-only", "off", "strict")
+"""The values of ``cache_mode`` (the persistent cache enforces them too)."""
+HOST_KERNEL_MODES = ("auto", "on", "off")
+"""The values of ``host_kernels``."""
+_CHOICES = {"fallback": ("eager", "error"), "host_kernels": HOST_KERNEL_MODES, "cache_mode": CACHE_MODES}
 
 _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
                "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}

@@ -1,36 +1,9 @@
-"""Dumps of what each compiled graph became: ``tpucompile dump-hlo`` and ``TPUCOMPILE_DUMP_DIR``.
-
-While a dump is active, every graph the backend compiles gets a folder ``DIR/NNN-ROLE`` (numbered in compile
-order; ROLE is forward, backward or inference, followed by the region for a partitioned graph) holding:
-
-    fx.txt                     Dynamo's FX graph, as the backend received it
-    fx_rewrite_attention.txt   the same after attention was routed to its math form (when it was)
-    fx_rewrite_interpolation.txt  the same after bilinear resampling became matrix products (when it did)
-    aten_N_<stage>.txt         the ATen graph from AOTAutograd, then after each pass
-    aten.txt                   the ATen graph that was lowered
-    locations.txt              each ATen op and the user's source line it came from
-    stablehlo.mlir             StableHLO text; each op carries loc("file.py":line:col) of the user's source
-    stablehlo.mlirbc           the same as a portable StableHLO artifact (versioned VHLO bytecode; MLIR
-                               bytecode for sharded programs, which the portable format cannot hold)
-    hlo.txt                    XLA HLO as XLA's passes first see it
-    hlo_optimized.txt          XLA HLO of the compiled executable, after optimisation
-    compile_options.txt        the XLA compile options
-    key.json                   the executable's cache key and its components
-    info.json                  op counts, signature, compile time, cache outcome, fallback ops, source files
-    targets/<target>/          per compile-only target (``--target tpu:v5e:2x2``): the StableHLO it was
-                               lowered to, its optimised HLO, compile options, key and report.json (memory
-                               per chip by use, flops, whether it fits, or why it does not compile)
-
-Recording happens in the compiling process, through ``driver.set_graph_recorder`` and ``driver.add_observer``;
-it never fails a compile (a stage that cannot be written is named in ``info.json``). Reading a dump (the
-summary table, one stage of one graph, the StableHLO of a cache entry) imports neither torch nor the
-compiler, so the command line answers quickly.
-"""
+"""Writing a dump: the ``Recorder`` the driver feeds while it compiles, one folder per graph, and the switch
+that turns it on (``start``/``stop``, or ``TPUCOMPILE_DUMP_DIR`` read by the backend). This is the only part
+of ``tpucompile.debug`` that runs inside a compile; it never fails one."""
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
 import functools
 import json
 import logging
@@ -43,8 +16,11 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from tpucompile.cache import PersistentCache, differing_components, digest
-from tpucompile.cache.keys import is_key
+from tpucompile.cache import digest
+from tpucompile.debug.layout import ENV_VAR, GRAPH_FOLDER, STAGES
+from tpucompile.debug.reader import read_dump
+from tpucompile.debug.report import format_summary
+from tpucompile.debug.stablehlo_text import asm
 from tpucompile.targets import GENERATIONS, slug
 
 if TYPE_CHECKING:
@@ -54,26 +30,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("tpucompile")
 
-ENV_VAR = "TPUCOMPILE_DUMP_DIR"
-DEFAULT_DIR = "tpucompile_dump"
-STAGES = {
-    "fx": "fx.txt",
-    "aten": "aten.txt",
-    "stablehlo": "stablehlo.mlir",
-    "hlo": "hlo.txt",
-    "optimized": "hlo_optimized.txt",
-}
-"""``--stage`` name → the file holding that stage in a graph's folder."""
-
-_FOLDER = re.compile(r"^\d{3,}-[a-z]")
 _OUR_FILES = ("info.json", "fx.txt", "aten.txt", "stablehlo.mlir")
 _NAME = re.compile(r"^graph (?P<dynamo>\d+) \((?P<role>\w+)\)(?: (?P<region>\S+))?$")
 _SHORT_DTYPES = {"float32": "f32", "float64": "f64", "float16": "f16", "bfloat16": "bf16", "int64": "i64",
                  "int32": "i32", "int16": "i16", "int8": "i8", "uint8": "u8", "bool": "i1",
                  "complex64": "c64", "complex128": "c128"}
-
-
-# -- recording ------------------------------------------------------------------------------------------
 
 
 class Recorder:
@@ -151,7 +112,7 @@ class Recorder:
         locations, files = _locations(event.graph)
         write("locations.txt", lambda: locations)
         module = event.program.module
-        write(STAGES["stablehlo"], lambda: _asm(module, locations=True))
+        write(STAGES["stablehlo"], lambda: asm(module, locations=True))
         version = _portable_version()
         write("stablehlo.mlirbc", lambda: _bytecode(event.program, version))
         write(STAGES["hlo"], lambda: _runtime().unoptimized_hlo(event.program.bytecode()))
@@ -193,7 +154,6 @@ class Recorder:
                 key=lambda item: len(item[0]),
             )
 
-
     def _write_target(self, event: CompileEvent) -> None:
         """``targets/<target>/`` of the graph's folder, and the target's line in its ``info.json``."""
         with self._lock:
@@ -210,7 +170,7 @@ class Recorder:
             except Exception as error:
                 errors[name] = f"{type(error).__name__}: {error}"
 
-        write(STAGES["stablehlo"], lambda: _asm(event.program.module, locations=True))
+        write(STAGES["stablehlo"], lambda: asm(event.program.module, locations=True))
         if event.executable is not None:
             write(STAGES["optimized"], lambda: _runtime().optimized_hlo(event.executable))
         if event.key_components:
@@ -298,7 +258,7 @@ def prepare(root: str | os.PathLike[str]) -> pathlib.Path:
     probe.write_bytes(b"")
     probe.unlink()
     for child in path.iterdir():
-        if child.is_dir() and _FOLDER.match(child.name) and any((child / f).exists() for f in _OUR_FILES):
+        if child.is_dir() and GRAPH_FOLDER.match(child.name) and any((child / f).exists() for f in _OUR_FILES):
             shutil.rmtree(child)
     (path / "summary.txt").unlink(missing_ok=True)
     return path
@@ -329,11 +289,6 @@ def _locations(gm: torch.fx.GraphModule) -> tuple[str, list[str]]:
             files.add(where.file)
         lines.append(f"{node.name}  {diagnostics.op_name(node.target)}  {where or '(no source location)'}")
     return "\n".join(lines) + "\n", sorted(files)
-
-
-def _asm(module: Any, locations: bool) -> str:
-    """Module text; with ``locations`` each op's location is written inline, so a line is greppable."""
-    return module.operation.get_asm(enable_debug_info=locations, use_local_scope=locations)
 
 
 def _count_ops(module: Any) -> int:
@@ -385,7 +340,7 @@ def _runtime() -> Any:
 def _compile_options_text(components: dict[str, Any], target: str | None = None) -> str:
     runtime = _runtime()
     if target is not None:
-        from tpucompile.runtime.topology import compile_targets, spanning
+        from tpucompile.runtime.targets.compile_only import compile_targets, spanning
 
         (chosen,) = compile_targets((target,))
         options = runtime.compile_options(spanning(chosen, int(components.get("device_count") or 1)))
@@ -406,219 +361,5 @@ def _json(document: Any) -> str:
     return json.dumps(document, indent=2, sort_keys=True, default=str) + "\n"
 
 
-# -- reading --------------------------------------------------------------------------------------------
-
-
-def read_dump(root: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """The ``info.json`` of every graph in the dump at ``root``, in compile order (empty when none)."""
-    path = pathlib.Path(root)
-    infos = []
-    if path.is_dir():
-        for child in path.iterdir():
-            info_file = child / "info.json"
-            if child.is_dir() and _FOLDER.match(child.name) and info_file.is_file():
-                try:
-                    infos.append(json.loads(info_file.read_text()))
-                except (OSError, ValueError):
-                    continue
-    return sorted(infos, key=lambda info: info["graph"])
-
-
-def stage_text(root: str | os.PathLike[str], graph: int, stage: str, target: str | None = None) -> str:
-    """The text of one stage of graph number ``graph`` (as compiled for compile-only ``target``, when one is
-    named); ``LookupError`` saying why when there is none."""
-    infos = {info["graph"]: info for info in read_dump(root)}
-    if graph not in infos:
-        have = f"graphs 0-{max(infos)}" if infos else "no graphs"
-        raise LookupError(f"no graph {graph} in the dump at {root} ({have})")
-    info = infos[graph]
-    name = STAGES[stage]
-    path = pathlib.Path(root) / info["folder"] / name
-    errors = info.get("errors", {})
-    if target is not None:
-        report = info.get("targets", {}).get(target)
-        if report is None:
-            have = ", ".join(info.get("targets", {})) or "none"
-            raise LookupError(f"graph {graph} was not compiled for {target} (targets in this dump: {have})")
-        if stage not in ("stablehlo", "optimized"):
-            raise LookupError("for a compile-only target the dump keeps the stablehlo and optimized stages")
-        path = pathlib.Path(root) / info["folder"] / "targets" / slug(target) / name
-        errors = {**report.get("errors", {}), **({name: report["error"]} if report.get("error") else {})}
-    if not path.is_file():
-        why = errors.get(name, "not recorded for this graph")
-        raise LookupError(f"graph {graph} has no {stage} stage{' for ' + target if target else ''}: {why}")
-    return path.read_text()
-
-
-def format_summary(infos: list[dict[str, Any]]) -> str:
-    """One row per graph: what it is, how big, what it takes and returns, its key and how it was compiled."""
-    header = ["graph", "role", "aten ops", "hlo ops", "in/out", "shapes", "key", "compile ms", "cache", "fallback"]
-    rows = [header]
-    for info in infos:
-        role = info["role"] + (f" {info['region']}" if info.get("region") else "")
-        cache = info["cache"] + (f" ({info['cache_tier']})" if info.get("cache_tier") else "")
-        rows.append([
-            str(info["graph"]), role, str(info["aten_ops"]), str(info["hlo_ops"]),
-            f"{len(info['inputs'])}/{len(info['outputs'])}",
-            f"{_clip_shapes(info['inputs'])} -> {_clip_shapes(info['outputs'])}", info["key"][:12],
-            f"{info['compile_ms']:.1f}", cache, ",".join(info.get("fallback_ops") or []) or "-",
-        ])
-    return "\n".join([_table(rows, {0, 2, 3, 7}), *_target_summaries(infos)])
-
-
-def _table(rows: list[list[str]], numeric: set[int]) -> str:
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = []
-    for row in rows:
-        cells = [cell.rjust(widths[i]) if i in numeric else cell.ljust(widths[i]) for i, cell in enumerate(row)]
-        lines.append("  ".join(cells).rstrip())
-    return "\n".join(lines)
-
-
-def _target_summaries(infos: list[dict[str, Any]]) -> list[str]:
-    """Per compile-only target: each graph's memory per chip by use, flops and whether it fits the chip,
-    then why any graph does not compile for it."""
-    names = list(dict.fromkeys(t for info in infos for t in info.get("targets", {})))
-    blocks = []
-    for name in names:
-        reports = [(info, info["targets"][name]) for info in infos if name in info.get("targets", {})]
-        hbm = next((r["hbm_bytes"] for _, r in reports if r.get("hbm_bytes")), None)
-        title = f"{name}: memory per chip" + (f" (of {hbm / 2**30:.2f} GiB HBM)" if hbm else "")
-        rows = [["graph", "role", "arguments", "outputs", "temporaries", "code", "peak", "flops", "fits",
-                 "compile ms", "cache"]]
-        failures = []
-        for info, report in reports:
-            memory = report.get("memory") or {}
-            role = info["role"] + (f" {info['region']}" if info.get("region") else "")
-            cells = [_bytes(memory.get(k)) for k in ("argument", "output", "temp", "generated_code", "peak")]
-            rows.append([str(info["graph"]), role, *cells, _count(report.get("flops")),
-                         _fits(report, memory.get("peak"), hbm), f"{report.get('compile_ms', 0):.1f}",
-                         report.get("cache", "-") + (f" ({report['cache_tier']})" if report.get("cache_tier") else "")])
-            if report.get("error"):
-                failures.append(f"  graph {info['graph']}: {report['error']}")
-        blocks.append("\n".join([title, _table(rows, {0, 2, 3, 4, 5, 6, 7, 9}), *failures]))
-    return ["", *blocks] if blocks else []
-
-
-def _fits(report: dict[str, Any], peak: int | None, hbm: int | None) -> str:
-    if report.get("fits") is False:
-        return "NO"
-    if report.get("error"):
-        return "-"
-    if peak and hbm:
-        share = 100 * peak / hbm
-        return ("NO" if share > 100 else f"yes ({share:.1f}%)" if share >= 0.1 else "yes (<0.1%)")
-    return "yes"
-
-
-def _bytes(count: float | None) -> str:
-    if count is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(count) < 1024 or unit == "GiB":
-            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
-        count /= 1024
-    return f"{count:.1f} GiB"
-
-
-def _count(value: float | None) -> str:
-    if value is None:
-        return "-"
-    for unit, size in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("K", 1e3)):
-        if abs(value) >= size:
-            return f"{value / size:.2f} {unit}"
-    return f"{value:.0f}"
-
-
 def _hbm_bytes(device_kind: Any) -> int | None:
     return next((g.hbm_bytes for g in GENERATIONS.values() if g.device_kind == device_kind), None)
-
-
-def _clip_shapes(specs: list[str], shown: int = 1) -> str:
-    if not specs:
-        return "()"
-    text = " ".join(specs[:shown])
-    return text + (f" +{len(specs) - shown}" if len(specs) > shown else "")
-
-
-@dataclasses.dataclass(frozen=True)
-class StoredProgram:
-    """The StableHLO stored under a key, and where it was found."""
-
-    key: str
-    text: str
-    """Module text with inline source locations."""
-    components: dict[str, Any] | None
-    source: str
-
-
-def stored_program(key: str, cache: PersistentCache | None, root: str | os.PathLike[str]) -> StoredProgram:
-    """The StableHLO of a cache entry (a program entry, or the program an executable entry was compiled
-    from) or of a dumped graph, by full key or unique prefix; ``LookupError`` saying why when there is none."""
-    prefix = key.strip().lower()
-    if not prefix or any(c not in "0123456789abcdef" for c in prefix):
-        raise LookupError(f"{key!r} is not a cache key (keys are hex digits)")
-    if cache is not None:
-        found = _from_cache(prefix, cache)
-        if found is not None:
-            return found
-    dumped = [info for info in read_dump(root) if info["key"].startswith(prefix)]
-    if len({info["key"] for info in dumped}) > 1:
-        raise LookupError(f"{key} matches {len({i['key'] for i in dumped})} dumped graphs; give more of the key")
-    if dumped:
-        folder = pathlib.Path(root) / dumped[0]["folder"]
-        components = json.loads((folder / "key.json").read_text())["components"]
-        text = (folder / STAGES["stablehlo"]).read_text()
-        return StoredProgram(dumped[0]["key"], text, components, f"dump {folder}")
-    where = f"cache {cache.local.root}" if cache is not None else "no cache"
-    raise LookupError(f"no cache entry or dumped graph has key {key} ({where}, dump {root})")
-
-
-def _from_cache(prefix: str, cache: PersistentCache) -> StoredProgram | None:
-    keys = [prefix] if is_key(prefix) else [k for k in cache.local.list_keys() if k.startswith(prefix)]
-    if len(keys) > 1:
-        raise LookupError(f"{prefix} matches {len(keys)} cache entries; give more of the key")
-    found = cache.get(keys[0]) if keys else None
-    if found is None:
-        return None
-    entry = found[0]
-    if entry.kind == "program":
-        return StoredProgram(entry.key, module_text(entry.payload), entry.components, f"cache {cache.local.root}")
-    program_digest = entry.components.get("program")
-    for row in cache.index.rows():
-        if row["kind"] != "program":
-            continue
-        candidate = cache.get(row["key"])
-        if candidate is not None and candidate[0].metadata.get("program_sha256") == program_digest:
-            return StoredProgram(entry.key, module_text(candidate[0].payload), entry.components,
-                                 f"cache {cache.local.root}")
-    raise LookupError(f"cache entry {entry.key[:16]} is an executable whose StableHLO is not stored "
-                      "(no program entry was made for it)")
-
-
-def module_text(module: bytes | str, locations: bool = True) -> str:
-    """Parse StableHLO (text or MLIR bytecode) and print it, with inline locations or without any."""
-    from jax.extend.mlir import ir
-
-    with _mlir_context():
-        return _asm(ir.Module.parse(module), locations)
-
-
-@functools.cache
-def _mlir_context() -> Any:
-    from jax.interpreters import mlir as jax_mlir
-
-    return jax_mlir.make_ir_context()
-
-
-def diff_programs(first: StoredProgram, second: StoredProgram) -> str:
-    """A unified diff of two programs' StableHLO without locations (what their keys hash), or a line saying
-    they are the same and which other key components differ."""
-    a = module_text(first.text, locations=False).splitlines(keepends=True)
-    b = module_text(second.text, locations=False).splitlines(keepends=True)
-    diff = "".join(difflib.unified_diff(a, b, fromfile=first.key[:16], tofile=second.key[:16]))
-    if diff:
-        return diff
-    differing = differing_components(first.components or {}, second.components or {})
-    reason = f"; the keys differ in: {', '.join(differing)}" if differing else ""
-    return f"{first.key[:16]} and {second.key[:16]} have the same StableHLO{reason}\n"

@@ -1,0 +1,79 @@
+"""``tpucompile warm``: run a script with the cache on (and ``--target``s compiled and stored too), then
+report hits by tier, misses and the compile time saved; ``--expect-all-hits`` makes a miss an error, for CI."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any
+
+from tpucompile.cli.common import emit
+from tpucompile.cli.script import run_script, script_settings
+from tpucompile.config import effective_environ
+
+
+def warm(args: argparse.Namespace) -> int:
+    """Run the script with the cache on (read-write unless the environment says read-only or strict)."""
+    cache_off = effective_environ().get("TPUCOMPILE_CACHE_MODE", "") in ("off", "")
+    with script_settings(args, **({"cache_mode": "read-write"} if cache_off else {})) as targets:
+        from tpucompile import driver
+
+        events: list[Any] = []
+        remove = driver.add_observer(events.append)
+        start = time.perf_counter()
+        try:
+            status = run_script(args.script, args.script_args)
+        finally:
+            remove()
+        seconds = time.perf_counter() - start
+    target_events = [e for e in events if e.target is not None]
+    events = [e for e in events if e.target is None]
+    hits = [e for e in events if e.cache_hit]
+    misses = [e for e in events if not e.cache_hit]
+    tiers = {tier: sum(1 for e in hits if e.tier == tier) for tier in ("memory", "local", "remote")}
+    document = {
+        "graphs": len(events),
+        "hits": len(hits),
+        "hits_by_tier": tiers,
+        "misses": len(misses),
+        "missed": [e.name for e in misses],
+        "lowering_skipped": sum(1 for e in events if e.program_tier is not None),
+        "seconds_saved": round(sum(e.saved_seconds for e in hits), 3),
+        "seconds_compiling": round(sum(e.compile_seconds for e in misses), 3),
+        "wall_seconds": round(seconds, 3),
+        "script_status": status,
+        "targets": {name: _target_report([e for e in target_events if e.target == name]) for name in targets},
+    }
+    text = (f"tpucompile warm: {len(events)} graphs, {len(hits)} hits "
+            f"({', '.join(f'{n} {t}' for t, n in tiers.items() if n) or 'none'}), {len(misses)} misses, "
+            f"{document['seconds_saved']:.2f} s saved, {document['seconds_compiling']:.2f} s compiling")
+    for name, report in document["targets"].items():
+        text += (f"\n  {name}: {report['graphs']} graphs, {report['hits']} from the cache, {report['compiled']} "
+                 f"compiled and stored ({report['seconds_compiling']:.2f} s), {len(report['failed'])} failed")
+    emit(args, document, text)
+    if status:
+        return status
+    failed = [e for e in target_events if e.error is not None]
+    for event in failed:
+        print(f"tpucompile warm: {event.error}", file=sys.stderr)
+    if failed:
+        return 1
+    compiled = misses + [e for e in target_events if not e.cache_hit]
+    if args.expect_all_hits and compiled:
+        names = [e.name + (f" for {e.target}" if e.target else "") for e in compiled]
+        print(f"tpucompile warm: --expect-all-hits, but compiled: {', '.join(names)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _target_report(events: list[Any]) -> dict[str, Any]:
+    compiled = [e for e in events if not e.cache_hit and e.error is None]
+    return {
+        "graphs": len(events),
+        "hits": sum(1 for e in events if e.cache_hit),
+        "compiled": len(compiled),
+        "failed": {e.name: e.error for e in events if e.error is not None},
+        "seconds_compiling": round(sum(e.compile_seconds for e in compiled), 3),
+        "keys": [e.key for e in events if e.key],
+    }
