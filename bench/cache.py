@@ -72,9 +72,9 @@ def child(args: argparse.Namespace) -> None:
     total = time.perf_counter() - _START
     remotes = []
     if args.backend == "tpucompile":
-        from tpucompile import compile_cache
+        from tpucompile import artifacts
 
-        remotes = [c.remote.describe() for c in compile_cache._caches.values() if c and c.remote]
+        remotes = [c.remote.describe() for c in artifacts.stores._caches.values() if c and c.remote]
     # Compile work: time inside the backend (AOTAutograd's trace and the forward compile) plus the backward
     # graph's compile, which AOTAutograd runs lazily at the first backward. Dynamo's own trace is not in it.
     graphs_outside_backend = work["graphs_s"] - work.get("graphs_in_backend_s", 0.0)

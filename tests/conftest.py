@@ -1,30 +1,48 @@
-import atexit
+"""Session-wide test settings and the fixtures many test files share."""
+
 import os
 import shutil
-import sys
 import tempfile
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
+from tests.eager_reference import settle_vector_math_dispatch
 
-from eager_reference import settle_vector_math_dispatch
+_CACHE_DIR: str | None = None
 
-# Eager results are the reference: settle oneMKL's kernel choice before any test can race on it.
-settle_vector_math_dispatch()
 
-# Tests are strict: an op without a lowering fails instead of quietly running in eager PyTorch. The tests of
-# the eager fallback itself ask for it explicitly.
-os.environ["TPUCOMPILE_FALLBACK"] = "error"
+def pytest_configure(config):
+    """Set the session's environment in this hook rather than when this file is imported: pytest calls it
+    once, before it imports any test module, so the variables are in place before anything imports jax or
+    tpucompile (nothing imported above does), and importing this file has no side effects.
 
-# The persistent compile cache of this test session lives in a temp dir, never in the real home directory;
-# tests of the cache itself point TPUCOMPILE_CACHE_DIR at their own tmp_path.
-_CACHE_DIR = tempfile.mkdtemp(prefix="tpucompile-test-cache-")
-os.environ["TPUCOMPILE_CACHE_DIR"] = _CACHE_DIR
-atexit.register(shutil.rmtree, _CACHE_DIR, ignore_errors=True)
-# The host BLAS kernel library is built once per test session, there too.
-os.environ.setdefault("TPUCOMPILE_BUILD_DIR", os.path.join(_CACHE_DIR, "build"))
+    Tests are strict: an op without a lowering fails instead of quietly running in eager PyTorch
+    (``TPUCOMPILE_FALLBACK=error``; the tests of the eager fallback itself ask for it explicitly). The
+    persistent compile cache of the session lives in a temp dir, never in the real home directory (tests of
+    the cache itself point ``TPUCOMPILE_CACHE_DIR`` at their own ``tmp_path``), and so does the host BLAS
+    kernel library, built once per session. Eager results are the reference: oneMKL's kernel choice is
+    settled before any test can race on it.
+    """
+    global _CACHE_DIR
+    os.environ["TPUCOMPILE_FALLBACK"] = "error"
+    _CACHE_DIR = tempfile.mkdtemp(prefix="tpucompile-test-cache-")
+    os.environ["TPUCOMPILE_CACHE_DIR"] = _CACHE_DIR
+    os.environ.setdefault("TPUCOMPILE_BUILD_DIR", os.path.join(_CACHE_DIR, "build"))
+    settle_vector_math_dispatch()
+
+
+def pytest_unconfigure(config):
+    """Remove the session's cache dir (see ``pytest_configure``)."""
+    if _CACHE_DIR is not None:
+        shutil.rmtree(_CACHE_DIR, ignore_errors=True)
+
+
+@pytest.fixture
+def seeded() -> None:
+    """Seeded inputs: torch's global generator reseeded before the test, from ``$TPUCOMPILE_TEST_SEED``
+    (default 0), so a failure with random inputs can be rerun with the same ones or with others."""
+    torch.manual_seed(int(os.environ.get("TPUCOMPILE_TEST_SEED", "0")))
 
 
 @pytest.fixture
@@ -32,9 +50,9 @@ def aten_ops(monkeypatch) -> set:
     """The ATen ops of every graph handed to the tpucompile backend during the test, so a test can check
     that the op it is about really reached the lowering (and was not decomposed away before it). Warm starts
     from cached plans are turned off for the test: they skip AOTAutograd, so no ATen graph would be seen."""
-    from tpucompile import aot_cache, backend
+    from tpucompile import backend, warm_start
 
-    monkeypatch.setattr(aot_cache, "compiled_from_plan", lambda *args, **kwargs: None)
+    monkeypatch.setattr(warm_start, "compiled_from_plan", lambda *args, **kwargs: None)
 
     seen: set = set()
     original = backend.compile_graph

@@ -1,4 +1,5 @@
-"""Shared checks: run a function eagerly and through ``backend="tpucompile"`` and compare.
+"""Shared checks: run a function eagerly and through ``backend="tpucompile"`` and compare; and the random
+inputs several test files draw, defined once so that they draw the same values.
 
 Every comparison resets Dynamo first and compiles with ``fullgraph=True``, and checks that tpucompile
 really compiled a graph, so that a silent fallback to eager can never make a test pass.
@@ -88,3 +89,46 @@ def _backward(output: Any) -> None:
     tensors = [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
     total = sum((t.float() * torch.linspace(0.5, 1.5, t.numel()).reshape(t.shape)).sum() for t in tensors)
     total.backward()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Random inputs (from torch's global generator: seed it, e.g. with the ``seeded`` fixture)
+
+EDGE_VALUES = (float("nan"), float("inf"), float("-inf"), 0.0, -0.0, 1.0, -1.0)
+"""Where float ops have their special cases: NaN, ±inf, ±0, ±1."""
+TIE_VALUES = (*EDGE_VALUES, 0.5, -0.5, 1.5, -1.5, 2.5, -2.5)
+"""``EDGE_VALUES`` and the halves at which rounding ops break ties."""
+
+
+def _randn_with(values: Sequence[float], dtype: torch.dtype, shape: Sequence[int], scale: float,
+                specials: bool) -> torch.Tensor:
+    x = torch.randn(*shape) * scale
+    if specials:
+        x.view(-1)[: len(values)] = torch.tensor(values)
+    return x.to(dtype)
+
+
+def floats(dtype: torch.dtype, *shape: int, scale: float = 4.0, specials: bool = True) -> torch.Tensor:
+    """Random floats with both signs (normal, standard deviation ``scale``); with ``specials`` the first
+    elements are ``EDGE_VALUES``."""
+    return _randn_with(EDGE_VALUES, dtype, shape, scale, specials)
+
+
+def floats_with_ties(dtype: torch.dtype, *shape: int, scale: float = 2.0, specials: bool = True) -> torch.Tensor:
+    """Random floats with both signs (normal, standard deviation ``scale``); with ``specials`` the first
+    elements are ``TIE_VALUES``, for ops (unary math, rounding) whose edge cases include the halves."""
+    return _randn_with(TIE_VALUES, dtype, shape, scale, specials)
+
+
+def ints(dtype: torch.dtype, *shape: int, low: int = -20, high: int = 20, nonzero: bool = False) -> torch.Tensor:
+    """Random integers in ``[low, high)``; with ``nonzero`` zeros become ones (divisors)."""
+    x = torch.randint(low, high, shape, dtype=dtype)
+    if nonzero:
+        x = torch.where(x == 0, torch.ones_like(x), x)
+    return x
+
+
+def small_ints(dtype: torch.dtype, *shape: int, low: int = -5, high: int = 6) -> torch.Tensor:
+    """Random integers in ``[low, high)``, by default a range small enough for sums and products of a few
+    of them not to overflow, and for ties to happen."""
+    return torch.randint(low, high, shape, dtype=dtype)

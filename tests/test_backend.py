@@ -12,9 +12,9 @@ import textwrap
 import pytest
 import torch
 import torch.nn as nn
-from support import assert_close_tree, assert_compiles_like_eager, compile_fn
 
 import tpucompile
+from tests.support import assert_close_tree, assert_compiles_like_eager, compile_fn
 from tpucompile import driver
 
 

@@ -7,7 +7,8 @@ import re
 
 import pytest
 import torch
-from eager_reference import VECTOR_MATH_OPS
+
+from tests.eager_reference import VECTOR_MATH_OPS
 
 VML_HEADER = os.path.join(os.path.dirname(torch.__file__), "include", "ATen", "cpu", "vml.h")
 

@@ -8,9 +8,9 @@ import warnings
 import pytest
 import torch
 import torch.nn as nn
-from support import assert_close_tree, compile_fn
 
 import tpucompile
+from tests.support import assert_close_tree, compile_fn
 from tpucompile import driver
 
 

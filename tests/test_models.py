@@ -11,7 +11,8 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from support import assert_close_tree
+
+from tests.support import assert_close_tree
 
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
 sys.path.insert(0, EXAMPLES)

@@ -15,12 +15,12 @@ import sys
 
 import pytest
 import torch
-from support import compile_fn
 
 import tpucompile
+from tests.support import compile_fn
 from tpucompile import Mesh, Options, ShardingError, ShardPlan, data_parallel, driver, tensor_parallel
-from tpucompile.passes.sharding import graph_inputs, input_name
-from tpucompile.sharding import GraphValue, decode_sharding, encode_sharding, normalize_dims
+from tpucompile.sharding.names import graph_inputs, input_name
+from tpucompile.sharding.plan import GraphValue, decode_sharding, encode_sharding, normalize_dims
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "sharding_worker.py")
@@ -256,7 +256,7 @@ def test_a_submodule_output_gets_a_constraint():
 
 
 def test_dumps_show_the_shardings(tmp_path):
-    from tpucompile import dump
+    from tpucompile.debug import recorder as dump
 
     dump.start(tmp_path)
     try:

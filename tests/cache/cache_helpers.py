@@ -48,9 +48,9 @@ def fresh_start() -> Iterator[list]:
     emptied; only persistent tiers stay warm); yields the list that collects tpucompile's compile events."""
     import torch
 
-    from tpucompile import compile_cache, driver
+    from tpucompile import artifacts, driver
 
-    compile_cache.clear_memory()
+    artifacts.clear_memory()
     torch._dynamo.reset()
     events: list = []
     remove = driver.add_observer(events.append)

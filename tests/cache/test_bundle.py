@@ -8,9 +8,9 @@ import tarfile
 
 import pytest
 import torch
-from cache_helpers import compile_and_run
 
-from tpucompile import cli, compile_cache
+from tests.cache.cache_helpers import compile_and_run
+from tpucompile import artifacts, cli
 from tpucompile.cache import Entry, PersistentCache
 from tpucompile.cache.bundle import BundleError, export_bundle, import_bundle, sign
 from tpucompile.runtime import get_target
@@ -33,7 +33,7 @@ def warmed(tmp_path, monkeypatch):
 
 
 def _environment():
-    return compile_cache.environment(get_target())
+    return artifacts.environment(get_target())
 
 
 def test_round_trip_through_the_cli(tmp_path, monkeypatch, warmed, capsys):

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
 import pytest
-from cache_helpers import WORKLOAD, workload_env
 
+from tests.cache.cache_helpers import WORKLOAD, workload_env
 from tpucompile import cli
 from tpucompile.cache import Entry, PersistentCache
 
@@ -82,3 +83,46 @@ def test_warm_reports_hits_and_expect_all_hits(tmp_path):
     report = json.loads(warm.stdout[warm.stdout.index("{\n"):])
     assert report["misses"] == 0 and report["hits"] == 1 and report["hits_by_tier"]["local"] == 1
     assert report["lowering_skipped"] == 1 and report["seconds_saved"] > 0
+
+
+def test_commands_that_run_a_script_configure_it_without_touching_os_environ(tmp_path, monkeypatch, capsys):
+    """``warm`` and ``dump-hlo`` hand ``--dir`` and ``--target`` to the script they run in this process for as
+    long as it runs; its ``TPUCOMPILE_*`` variables are the same before, during and after, and no variable
+    changes (importing jax and libtpu the first time adds variables of their own, which is not the CLI)."""
+    monkeypatch.delenv("TPUCOMPILE_CACHE_MODE", raising=False)
+    monkeypatch.delenv("TPUCOMPILE_TARGETS", raising=False)
+    script = tmp_path / "probe.py"
+    script.write_text(
+        "import json, os, sys\n"
+        "from tpucompile.config import Options\n"
+        "o = Options.from_sources()\n"
+        "seen = {'cache_dir': o.cache_dir, 'cache_mode': o.cache_mode, 'targets': list(o.targets),\n"
+        "        'environ': {k: v for k, v in os.environ.items() if k.startswith('TPUCOMPILE_')}}\n"
+        "open(sys.argv[1], 'w').write(json.dumps(seen))\n"
+    )
+    before = dict(os.environ)
+    ours = {k: v for k, v in before.items() if k.startswith("TPUCOMPILE_")}
+    expected = {"cache_dir": str(tmp_path / "cache"), "cache_mode": "read-write", "targets": ["cpu"], "environ": ours}
+
+    def unchanged() -> bool:
+        now = dict(os.environ)
+        return {k: v for k, v in now.items() if k.startswith("TPUCOMPILE_")} == ours and before.items() <= now.items()
+
+    warm_seen = tmp_path / "warm.json"
+    assert cli.main(["warm", "--dir", str(tmp_path / "cache"), "--target", "cpu", str(script), str(warm_seen)]) == 0
+    assert unchanged()
+    assert json.loads(warm_seen.read_text()) == expected
+
+    dump_seen = tmp_path / "dump.json"
+    status = cli.main(["dump-hlo", "--dir", str(tmp_path / "cache"), "--target", "cpu", str(script),
+                       "--out", str(tmp_path / "dump"), "--", str(dump_seen)])
+    assert status == cli.EXIT_NOTHING_COMPILED  # the probe compiles nothing; its settings were still in force
+    assert unchanged()
+    assert json.loads(dump_seen.read_text()) == expected
+    capsys.readouterr()
+
+    from tpucompile.config import Options
+
+    after = Options.from_sources()
+    assert after.targets == () and after.cache_dir == (os.environ.get("TPUCOMPILE_CACHE_DIR") or None)
+

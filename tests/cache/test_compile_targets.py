@@ -16,13 +16,14 @@ import sys
 import numpy as np
 import pytest
 import torch
-from cache_helpers import compile_and_run
 
+from tests.cache.cache_helpers import compile_and_run
 from tpucompile import cli, targets
 from tpucompile.cache import PersistentCache
 from tpucompile.config import Options
 from tpucompile.errors import OptionsError
-from tpucompile.runtime import build_flags, libtpu
+from tpucompile.runtime import build_flags
+from tpucompile.runtime.targets import libtpu
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TARGET = "tpu:v5e:2x2"
@@ -94,11 +95,11 @@ def test_quiet_drops_only_libtpus_start_up_noise(capfd):
 
 @needs_libtpu
 def test_key_components_come_from_the_topology():
-    from tpucompile import compile_cache
-    from tpucompile.runtime.topology import compile_only_target, compile_targets
+    from tpucompile import artifacts
+    from tpucompile.runtime.targets.compile_only import compile_only_target, compile_targets
 
     target = compile_only_target(TARGET)
-    environment = compile_cache.environment(target)
+    environment = artifacts.environment(target)
     assert environment["platform"] == "tpu" and environment["device_kind"] == "TPU v5 lite"
     assert environment["platform_version"].startswith("PJRT C API\nTFRT TPU v5 lite\n")
     assert environment["device_count"] == 1 and environment["topology"] == "2x2x1"
@@ -169,8 +170,8 @@ def _module(text: str):
 
 @needs_libtpu
 def test_complex128_is_refused_before_libtpu_aborts_and_oversized_programs_do_not_fit():
-    from tpucompile.runtime.compile_only import TargetCompileError, compile_for
-    from tpucompile.runtime.topology import compile_only_target
+    from tpucompile.runtime.targets.compile_only import compile_only_target
+    from tpucompile.runtime.targets.cross_compile import TargetCompileError, compile_for
 
     target = compile_only_target(TARGET)
     c128 = _module('func.func @main(%a: tensor<4xcomplex<f64>>) -> tensor<4xcomplex<f64>> {\n'
@@ -203,8 +204,8 @@ def test_a_sharded_program_compiles_across_the_slices_chips():
     from jax.sharding import PartitionSpec as P
 
     from tpucompile.runtime import compile_options
-    from tpucompile.runtime.compile_only import compile_for
-    from tpucompile.runtime.topology import compile_only_target, spanning
+    from tpucompile.runtime.targets.compile_only import compile_only_target, spanning
+    from tpucompile.runtime.targets.cross_compile import compile_for
 
     target = spanning(compile_only_target(TARGET), 4)
     assert [d.id for d in target.devices] == [0, 1, 2, 3] and target.describe()["device_count"] == 4
@@ -327,7 +328,7 @@ def test_a_target_of_a_local_platform_compiles_by_loading():
     import dataclasses
 
     from tpucompile.runtime import get_target
-    from tpucompile.runtime.compile_only import compile_for
+    from tpucompile.runtime.targets.cross_compile import compile_for
 
     target = dataclasses.replace(get_target("cpu"), name="cpu", compile_only=True)
     module = _module("func.func @main(%a: tensor<8xf32>) -> tensor<8xf32> {\n"

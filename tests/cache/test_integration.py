@@ -6,16 +6,10 @@ import random
 
 import pytest
 import torch
-from cache_helpers import compile_and_run
 
-from tpucompile import CacheMissError, compile_cache
+from tests.cache.cache_helpers import compile_and_run
+from tpucompile import CacheMissError, artifacts
 from tpucompile.cache import LocalStore, decode
-
-
-@pytest.fixture
-def cache_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("TPUCOMPILE_CACHE_DIR", str(tmp_path / "cache"))
-    return tmp_path / "cache"
 
 
 def f(x, y):
@@ -87,7 +81,7 @@ def test_strict_mode_message_holds_the_key(cache_dir):
         compile_and_run(f, x, y)
     finally:
         remove()
-    compile_cache.clear_memory()
+    artifacts.clear_memory()
     store = LocalStore(cache_dir)
     for key in list(store.list_keys()):
         store.delete(key)

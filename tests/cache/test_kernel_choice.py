@@ -7,11 +7,12 @@ import json
 
 import pytest
 import torch
-from cache_helpers import fresh_start
 
+from tests.cache.cache_helpers import fresh_start
 from tpucompile import driver
-from tpucompile.runtime import kernel_choice, optimized_hlo
-from tpucompile.runtime.host_blas import CONV_TARGET_NAME, TARGET_NAME, kernels
+from tpucompile.runtime import optimized_hlo
+from tpucompile.runtime.host_kernels import kernel_choice
+from tpucompile.runtime.host_kernels.library import CONV_TARGET_NAME, TARGET_NAME, kernels
 
 pytestmark = pytest.mark.skipif(kernels() is None, reason="the host kernels cannot be built here")
 

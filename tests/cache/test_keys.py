@@ -6,8 +6,8 @@ import os
 import socket
 
 import pytest
-from cache_helpers import finish, start_workload, workload_env
 
+from tests.cache.cache_helpers import finish, start_workload, workload_env
 from tpucompile.cache import (
     ENVIRONMENT_COMPONENTS,
     LocalStore,

@@ -10,8 +10,8 @@ import time
 
 import pytest
 import torch
-from cache_helpers import compile_and_run
 
+from tests.cache.cache_helpers import compile_and_run
 from tpucompile.cache import Entry, LocalStore, PersistentCache
 from tpucompile.cache.remote import FsspecStore
 

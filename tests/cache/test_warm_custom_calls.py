@@ -11,8 +11,8 @@ import sys
 
 import pytest
 import torch
-from cache_helpers import compile_and_run, workload_env
 
+from tests.cache.cache_helpers import compile_and_run, workload_env
 from tpucompile.cache import Entry, LocalStore, decode, encode
 from tpucompile.runtime import custom_calls, get_target
 
@@ -35,8 +35,8 @@ OPS = {
                                                    a[:3, :3].reshape(1, 1, 3, 3).repeat(4, 3, 1, 1), padding=1),
 }
 if "--drop-recorded-calls" in sys.argv:  # write entries as a release that did not record their calls
-    import tpucompile.compile_cache as cache
-    cache.custom_call_targets = lambda executable, platform: None
+    import tpucompile.artifacts.executables as executables
+    executables.custom_call_targets = lambda executable, platform: None
 a = torch.randn(4, 4, generator=torch.Generator().manual_seed(0)) + 2 * torch.eye(4)
 errors = {}
 for name, fn in OPS.items():

@@ -6,16 +6,10 @@ import copy
 
 import pytest
 import torch
-from cache_helpers import fresh_start, run_workload, workload_env
 
-from tpucompile import compile_cache
+from tests.cache.cache_helpers import fresh_start, run_workload, workload_env
+from tpucompile import artifacts
 from tpucompile.cache import LocalStore, decode
-
-
-@pytest.fixture
-def cache_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("TPUCOMPILE_CACHE_DIR", str(tmp_path / "cache"))
-    return tmp_path / "cache"
 
 
 def _model():
@@ -159,7 +153,7 @@ def test_graphs_indexing_with_an_ellipsis_get_a_plan(cache_dir):
         assert [e.graph is not None for e in events] == [traced, traced]
         torch.testing.assert_close(w.grad, expected)
     bindings = None
-    assert compile_cache.encode_argument((Ellipsis, slice(None, 4)), bindings) != compile_cache.encode_argument(
+    assert artifacts.encode_argument((Ellipsis, slice(None, 4)), bindings) != artifacts.encode_argument(
         (slice(None, 4),), bindings)
 
 

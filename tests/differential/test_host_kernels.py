@@ -71,13 +71,11 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
+from tests.differential import random_networks
+from tests.differential.random_networks import Case
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(HERE)), "examples")
-if HERE not in sys.path:  # pytest puts it there; a worker process (fresh_process_runs) does not
-    sys.path.insert(0, HERE)
-
-import random_networks  # noqa: E402
-from random_networks import Case  # noqa: E402
 
 FLOOR = 2e-5
 """The absolute floor of every tolerance, as a fraction of the tensor's scale."""
@@ -408,7 +406,7 @@ def _kernel_summary(counts: Counter | None) -> str:
 
 @pytest.mark.parametrize("name", case_names())
 def test_host_kernels_match_xla(name):
-    from tpucompile.runtime.host_blas import kernels
+    from tpucompile.runtime.host_kernels.library import kernels
 
     if kernels() is None:
         pytest.skip("no host kernels in this process (TPUCOMPILE_HOST_BLAS=0, or no C compiler or BLAS)")

@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from support import assert_close_tree, assert_compiles_like_eager
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from tests.support import assert_close_tree, assert_compiles_like_eager
 from tpucompile import driver
 from tpucompile.config import Options
 

@@ -1,17 +1,12 @@
 """Tensors made from nothing: full/zeros/ones(-like), empty, arange, linspace, scalar_tensor."""
 
-import os
-
 import pytest
 import torch
-from support import assert_compiles_like_eager, compile_fn
 
+from tests.support import assert_compiles_like_eager, compile_fn
 
-@pytest.fixture(autouse=True)
-def _strict(monkeypatch):
-    """Seeded inputs, and no eager fallback: every op here must lower."""
-    monkeypatch.setenv("TPUCOMPILE_FALLBACK", "error")
-    torch.manual_seed(int(os.environ.get("TPUCOMPILE_TEST_SEED", "0")))
+# Seeded inputs; every op here must lower (conftest sets TPUCOMPILE_FALLBACK=error for the whole session).
+pytestmark = pytest.mark.usefixtures("seeded")
 
 
 def test_full_zeros_ones():

@@ -10,8 +10,8 @@ import logging
 
 import pytest
 import torch
-from support import assert_compiles_like_eager, compile_fn
 
+from tests.support import assert_compiles_like_eager, compile_fn
 from tpucompile import driver
 
 aten = torch.ops.aten

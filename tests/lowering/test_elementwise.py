@@ -1,40 +1,16 @@
 """Binary arithmetic, comparisons, logical/bitwise ops, where, clamp, casts and type promotion vs eager."""
 
-import os
-
 import pytest
 import torch
-from support import assert_compiles_like_eager
 
+from tests.support import EDGE_VALUES, assert_compiles_like_eager, floats, ints
 
-@pytest.fixture(autouse=True)
-def _strict(monkeypatch):
-    """Seeded inputs, and no eager fallback: every op here must lower."""
-    monkeypatch.setenv("TPUCOMPILE_FALLBACK", "error")
-    torch.manual_seed(int(os.environ.get("TPUCOMPILE_TEST_SEED", "0")))
+# Seeded inputs; every op here must lower (conftest sets TPUCOMPILE_FALLBACK=error for the whole session).
+pytestmark = pytest.mark.usefixtures("seeded")
 
 
 FLOATS = [torch.float32, torch.bfloat16, torch.float16]
 INTS = [torch.int32, torch.int64]
-SPECIALS = [float("nan"), float("inf"), float("-inf"), 0.0, -0.0, 1.0, -1.0]
-
-
-def floats(dtype, *shape, scale=4.0, specials=True):
-    """Random floats with both signs; with ``specials`` the first elements are NaN, ±inf, ±0, ±1."""
-    x = torch.randn(*shape) * scale
-    if specials:
-        flat = x.view(-1)
-        flat[: len(SPECIALS)] = torch.tensor(SPECIALS)
-    return x.to(dtype)
-
-
-def ints(dtype, *shape, low=-20, high=20, nonzero=False):
-    x = torch.randint(low, high, shape, dtype=dtype)
-    if nonzero:
-        x = torch.where(x == 0, torch.ones_like(x), x)
-    return x
-
-
 def _divisors(a, b):
     """Exact multiples with both signs, so that floor/trunc/remainder hit their boundary cases."""
     b = b.clone()
@@ -301,7 +277,7 @@ SUBNORMALS = [1e-40, -3e-42, 1e-45, -1e-45, 1.17e-38, 3.0e38]
 
 def _with_subnormals(dtype, *shape):
     x = floats(torch.float32, *shape)
-    x.view(-1)[len(SPECIALS) : len(SPECIALS) + len(SUBNORMALS)] = torch.tensor(SUBNORMALS)
+    x.view(-1)[len(EDGE_VALUES) : len(EDGE_VALUES) + len(SUBNORMALS)] = torch.tensor(SUBNORMALS)
     return x.to(dtype)
 
 

@@ -7,7 +7,8 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from support import assert_compiles_like_eager, compile_fn
+
+from tests.support import assert_compiles_like_eager, compile_fn
 
 aten = torch.ops.aten
 

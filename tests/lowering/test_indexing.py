@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 import torch
 from jax.extend.mlir import ir
-from support import assert_close_tree, assert_compiles_like_eager
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from tests.support import assert_close_tree, assert_compiles_like_eager
 from tpucompile import driver
 from tpucompile.config import Options
 from tpucompile.errors import UnsupportedOpError

@@ -11,9 +11,9 @@ import pytest
 import torch
 from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import func
-from support import assert_compiles_like_eager
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from tests.support import assert_compiles_like_eager
 from tpucompile import driver
 from tpucompile.config import Options
 from tpucompile.errors import LoweringError

@@ -6,8 +6,8 @@ import os
 import re
 
 import torch
-from support import compile_fn
 
+from tests.support import compile_fn
 from tpucompile import driver
 
 

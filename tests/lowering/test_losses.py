@@ -8,8 +8,9 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from support import assert_compiles_like_eager
 from torch.nn.modules.linear_cross_entropy_options import LinearCrossEntropyOptions
+
+from tests.support import assert_compiles_like_eager
 
 aten = torch.ops.aten
 

@@ -3,7 +3,8 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from support import assert_compiles_like_eager
+
+from tests.support import assert_compiles_like_eager
 
 
 # Low-precision products accumulate in f32 and round once, as eager's CPU kernels do: default tolerances.

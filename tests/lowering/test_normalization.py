@@ -6,8 +6,8 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from support import assert_close_tree, assert_compiles_like_eager, compile_fn
 
+from tests.support import assert_close_tree, assert_compiles_like_eager, compile_fn
 from tpucompile import driver
 
 INF = float("inf")

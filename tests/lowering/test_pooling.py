@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from support import assert_compiles_like_eager
+
+from tests.support import assert_compiles_like_eager
 
 aten = torch.ops.aten
 

@@ -8,7 +8,8 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from support import compile_fn
+
+from tests.support import compile_fn
 
 N = 200_000
 

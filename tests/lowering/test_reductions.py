@@ -2,7 +2,8 @@
 
 import pytest
 import torch
-from support import assert_compiles_like_eager
+
+from tests.support import assert_compiles_like_eager, small_ints
 
 NAN, INF = float("nan"), float("inf")
 
@@ -10,10 +11,6 @@ NAN, INF = float("nan"), float("inf")
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
-
-
-def ints(dtype, *shape, low=-5, high=6):
-    return torch.randint(low, high, shape, dtype=dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
@@ -49,7 +46,8 @@ def test_integer_sum_prod(dtype):
             x.mean(-1, dtype=torch.float32),
         )
 
-    x = (torch.rand(4, 5) > 0.5) if dtype is torch.bool else ints(dtype, 4, 5, low=0 if dtype is torch.uint8 else -5)
+    low = 0 if dtype is torch.uint8 else -5
+    x = (torch.rand(4, 5) > 0.5) if dtype is torch.bool else small_ints(dtype, 4, 5, low=low)
     assert_compiles_like_eager(fn, x)
 
 
@@ -85,7 +83,7 @@ def test_max_min_integers_and_bool():
     def fn(x, b):
         return x.amax(1), x.amin(0), x.max(), *x.max(1), *x.min(0), b.amax(1), b.amin(0), b.any(1), b.all()
 
-    assert_compiles_like_eager(fn, ints(torch.int32, 5, 6, low=-3, high=3), torch.rand(5, 6) > 0.3)
+    assert_compiles_like_eager(fn, small_ints(torch.int32, 5, 6, low=-3, high=3), torch.rand(5, 6) > 0.3)
 
 
 def test_argmax_argmin():
@@ -107,7 +105,7 @@ def test_argmax_argmin():
     with_nan[3, 0] = INF
     with_nan[4, 5] = -INF
     assert_compiles_like_eager(fn, with_nan)
-    assert_compiles_like_eager(fn, ints(torch.int64, 5, 6, low=-2, high=2))
+    assert_compiles_like_eager(fn, small_ints(torch.int64, 5, 6, low=-2, high=2))
 
 
 def test_prod():
@@ -156,7 +154,7 @@ def test_any_all():
     x = torch.randn(4, 5, 6)
     x[0] = 0.0
     x[1, 2, 3] = NAN  # NaN is true
-    assert_compiles_like_eager(fn, x, ints(torch.int32, 4, 5, low=0, high=3))
+    assert_compiles_like_eager(fn, x, small_ints(torch.int32, 4, 5, low=0, high=3))
 
 
 def test_logsumexp():
@@ -195,7 +193,7 @@ def test_cumsum_cumprod_dtypes(dtype):
     elif dtype.is_floating_point:
         x = (torch.rand(6, 17) + 0.5).to(dtype)
     else:
-        x = ints(dtype, 6, 17, low=-3, high=4)
+        x = small_ints(dtype, 6, 17, low=-3, high=4)
     assert_compiles_like_eager(fn, x)
 
 

@@ -8,7 +8,8 @@ Each test compiles one function with several ops to keep the compile count low, 
 from __future__ import annotations
 
 import torch
-from support import assert_compiles_like_eager
+
+from tests.support import assert_compiles_like_eager
 
 aten = torch.ops.aten
 NAN = float("nan")

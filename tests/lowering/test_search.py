@@ -7,7 +7,8 @@ import os
 
 import pytest
 import torch
-from support import assert_compiles_like_eager
+
+from tests.support import assert_compiles_like_eager
 
 aten = torch.ops.aten
 

@@ -1,5 +1,6 @@
 import torch
-from support import assert_compiles_like_eager
+
+from tests.support import assert_compiles_like_eager
 
 
 def test_add_mul():

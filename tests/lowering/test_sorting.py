@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support import assert_compiles_like_eager
 
+from tests.support import assert_compiles_like_eager
 from tpucompile import driver
 from tpucompile.lowering.rules.sorting import TOPK_BY_REDUCTION
 

@@ -9,7 +9,8 @@ fixture that the ops reached the backend (and were not decomposed away).
 from __future__ import annotations
 
 import torch
-from support import assert_compiles_like_eager
+
+from tests.support import assert_compiles_like_eager
 
 aten = torch.ops.aten
 S = torch.special

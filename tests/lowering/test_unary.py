@@ -1,31 +1,16 @@
 """Unary math and activation functions vs eager, in every dtype eager supports them in."""
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
-from support import assert_compiles_like_eager
 
+from tests.support import assert_compiles_like_eager, floats_with_ties
 
-@pytest.fixture(autouse=True)
-def _strict(monkeypatch):
-    """Seeded inputs, and no eager fallback: every op here must lower."""
-    monkeypatch.setenv("TPUCOMPILE_FALLBACK", "error")
-    torch.manual_seed(int(os.environ.get("TPUCOMPILE_TEST_SEED", "0")))
+# Seeded inputs; every op here must lower (conftest sets TPUCOMPILE_FALLBACK=error for the whole session).
+pytestmark = pytest.mark.usefixtures("seeded")
 
 
 FLOATS = [torch.float32, torch.bfloat16, torch.float16]
-SPECIALS = [float("nan"), float("inf"), float("-inf"), 0.0, -0.0, 1.0, -1.0, 0.5, -0.5, 1.5, -1.5, 2.5, -2.5]
-
-
-def floats(dtype, *shape, scale=2.0, specials=True):
-    x = torch.randn(*shape) * scale
-    if specials:
-        x.view(-1)[: len(SPECIALS)] = torch.tensor(SPECIALS)
-    return x.to(dtype)
-
-
 def _math(x, unit, pos):
     """``x`` anywhere (specials included), ``unit`` in (-1, 1), ``pos`` > 0."""
     return (
@@ -42,7 +27,7 @@ def _math(x, unit, pos):
 
 @pytest.mark.parametrize("dtype", FLOATS, ids=str)
 def test_math_float(dtype):
-    x = floats(dtype, 8, 16)
+    x = floats_with_ties(dtype, 8, 16)
     unit = (torch.rand(8, 16) * 1.98 - 0.99).to(dtype)
     pos = (torch.rand(8, 16) * 10 + 1e-3).to(dtype)
     assert_compiles_like_eager(_math, x, unit, pos)
@@ -72,7 +57,7 @@ def test_math_bool():
 
 @pytest.mark.parametrize("dtype", FLOATS, ids=str)
 def test_rounding_and_nan_to_num(dtype):
-    x = floats(dtype, 4, 16, scale=50.0)
+    x = floats_with_ties(dtype, 4, 16, scale=50.0)
     halves = (torch.arange(-8, 8) + 0.5).to(dtype)
     big = torch.tensor([float("nan"), float("inf"), float("-inf"), 1.0, -1.0, 3.0, 0.0, 2.0], dtype=dtype)
 

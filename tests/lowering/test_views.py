@@ -7,7 +7,8 @@ is followed by an arithmetic op (``_fresh``): the view itself is then lowered, a
 import pytest
 import torch
 import torch.nn.functional as F
-from support import assert_compiles_like_eager
+
+from tests.support import assert_compiles_like_eager
 
 DTYPES = [torch.float32, torch.bfloat16, torch.int32]
 IDS = str

@@ -2,7 +2,7 @@
 
 CI runs the first samples of every OpInfo (``floor.json`` says how many); the full sweep over every sample
 and dtype is ``python tests/opinfo/sweep.py --dtypes float32 bfloat16 int64 bool --markdown docs/coverage.md``.
-Regenerate the floor after adding lowerings with ``python tests/opinfo/test_opinfo.py --write-floor``
+Regenerate the floor after adding lowerings with ``python -m tests.opinfo.test_opinfo --write-floor``
 (or ``--write-floor --from-json RESULTS.json`` to take it from a sweep's ``--json`` output).
 """
 
@@ -16,9 +16,7 @@ import warnings
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import sweep
+from tests.opinfo import sweep
 
 FLOOR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "floor.json")
 

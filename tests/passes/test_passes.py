@@ -105,7 +105,7 @@ def test_run_passes_reports_lifted_constants():
 def test_attention_is_rewritten_to_its_math_form():
     import torch.nn.functional as F
 
-    from tpucompile.passes import rewrite_attention
+    from tpucompile.frontend import rewrite_attention
 
     def attend(q, k, v, additive_mask, keep_mask):
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -126,7 +126,7 @@ def test_attention_is_rewritten_to_its_math_form():
 def test_attention_with_grouped_query_heads():
     import torch.nn.functional as F
 
-    from tpucompile.passes.decompositions import scaled_dot_product_attention
+    from tpucompile.frontend.decompositions import scaled_dot_product_attention
 
     q, k, v = torch.randn(1, 4, 6, 8), torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8)
     expected = F.scaled_dot_product_attention(q, k, v, enable_gqa=True, is_causal=True)

@@ -7,9 +7,14 @@ import jax.numpy as jnp
 import pytest
 
 from tpucompile.runtime import compile_options, compile_options_fingerprint, get_target
-from tpucompile.runtime import target as target_module
+from tpucompile.runtime import xla_options as target_module
 from tpucompile.runtime.compiler import for_target
-from tpucompile.runtime.target import CPU_SCHEDULER, CPU_SCHEDULER_FLAG, cpu_option_overrides, describe_compile_options
+from tpucompile.runtime.xla_options import (
+    CPU_SCHEDULER,
+    CPU_SCHEDULER_FLAG,
+    cpu_option_overrides,
+    describe_compile_options,
+)
 
 
 def _independent_branches(x):

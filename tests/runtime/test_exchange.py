@@ -8,9 +8,9 @@ import weakref
 
 import pytest
 import torch
-from support import assert_compiles_like_eager, compile_fn
 
-from tpucompile import compile_cache, driver
+from tests.support import assert_compiles_like_eager, compile_fn
+from tpucompile import artifacts, driver
 from tpucompile.runtime import executable as executable_module
 from tpucompile.runtime import get_target
 from tpucompile.runtime.resident import ResidentBuffers, resident_buffers
@@ -155,7 +155,7 @@ def test_a_copied_buffer_is_served_only_at_the_version_it_was_copied_at():
 def empty_cache(tmp_path, monkeypatch):
     """No plan or program of an earlier test: the first step traces."""
     monkeypatch.setenv("TPUCOMPILE_CACHE_DIR", str(tmp_path / "cache"))
-    compile_cache.clear_memory()
+    artifacts.clear_memory()
 
 
 def _silu_mlp():
@@ -186,8 +186,7 @@ def test_saved_values_reach_the_backward_as_device_buffers(monkeypatch, empty_ca
             net(x).square().sum().backward()
         for p, q in zip(model.parameters(), eager.parameters(), strict=True):
             torch.testing.assert_close(p.grad, q.grad)
-        computed_saved = [kind for kind, _ in _forward_executable().output_plan[1:]].count(
-            executable_module.RESULT)
+        computed_saved = [slot.kind for slot in _forward_executable().output_plan[1:]].count("result")
         assert computed_saved >= 2  # the SiLU's input and output, at least
         assert len(exports) == (5 if step > 0 else 5 + computed_saved), (step, len(exports))
 

@@ -13,12 +13,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from fresh_process import run_json
-from support import assert_compiles_like_eager
 
+from tests.fresh_process import run_json
+from tests.support import assert_compiles_like_eager
 from tpucompile.runtime import compile_module, get_target, optimized_hlo
-from tpucompile.runtime.host_blas import TARGET_NAME, kernels
-from tpucompile.runtime.host_dots import rewrite_dots
+from tpucompile.runtime.host_kernels import kernel_choice
+from tpucompile.runtime.host_kernels.library import TARGET_NAME, kernels
 from tpucompile.runtime.transfer import to_buffer, to_tensor
 
 RNG = np.random.default_rng(0)
@@ -47,6 +47,13 @@ def _run(module, target, arrays):
 
 def _calls(module_text: str) -> int:
     return module_text.count(TARGET_NAME)
+
+
+def _with_dtypes(target, dtypes):
+    """``target`` with host kernels for ``dtypes`` only, as on a BLAS that lacks the others."""
+    kernels = copy.copy(target.host_blas)
+    kernels.dtypes = frozenset(dtypes)
+    return dataclasses.replace(target, host_blas=kernels)
 
 
 F32, F64 = np.float32, np.float64
@@ -80,7 +87,7 @@ CASES = [
 def test_rewritten_products_equal_xla_dots(targets, name, fn, shapes, dtype, expected):
     with_blas, without = targets
     module = _module(fn, *[(s, dtype) for s in shapes])
-    rewritten = rewrite_dots(module, with_blas.host_blas.dtypes)
+    rewritten = kernel_choice.apply(module, with_blas, None)
     text = rewritten if isinstance(rewritten, str) else _as_text(rewritten)
     assert _calls(text) == expected, text
     if not expected:
@@ -104,9 +111,10 @@ def test_bf16_products_accumulate_in_f32(targets):
         return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
     module = _module(product, ((16, 64), jnp.bfloat16), ((8, 64), jnp.bfloat16))
-    assert _calls(_as_text(rewrite_dots(module, with_blas.host_blas.dtypes - {"bf16"}))) == 0
+    without_bf16 = _with_dtypes(with_blas, with_blas.host_blas.dtypes - {"bf16"})
+    assert _calls(_as_text(kernel_choice.apply(module, without_bf16, None))) == 0
     has_bf16 = "bf16" in with_blas.host_blas.dtypes
-    assert _calls(_as_text(rewrite_dots(module, with_blas.host_blas.dtypes))) == int(has_bf16)
+    assert _calls(_as_text(kernel_choice.apply(module, with_blas, None))) == int(has_bf16)
     a = RNG.standard_normal((16, 64)).astype(ml_dtypes.bfloat16)
     b = RNG.standard_normal((8, 64)).astype(ml_dtypes.bfloat16)
     loaded = compile_module(module, with_blas)
@@ -166,12 +174,12 @@ def test_turning_the_kernels_off_changes_the_executable_key_not_the_results(tmp_
     """``TPUCOMPILE_HOST_BLAS=0`` compiles XLA's own dots, under other cache keys, with the same results."""
     script = textwrap.dedent("""
         import json, sys, torch
-        from tpucompile import compile_cache
+        from tpucompile import artifacts
         from tpucompile.runtime import get_target
         torch.manual_seed(0)
         f = torch.compile(lambda a, b: (a @ b).relu(), backend="tpucompile", options={"host_kernels": "on"})
         out = f(torch.randn(8, 16), torch.randn(16, 4))
-        print(json.dumps({"host_blas": compile_cache.environment(get_target())["host_blas"],
+        print(json.dumps({"host_blas": artifacts.environment(get_target())["host_blas"],
                           "out": out.tolist()}))
     """)
     on, off = (run_json(script, {"TPUCOMPILE_HOST_BLAS": value, "TPUCOMPILE_CACHE_DIR": str(tmp_path / "cache")})
@@ -197,7 +205,7 @@ def test_products_run_the_blas_on_one_thread_and_restore_the_callers_setting(tmp
     thread and returns the previous one, as MKL's does."""
     script = textwrap.dedent("""
         import ctypes, json, threading, torch
-        from tpucompile.runtime.host_blas import kernels
+        from tpucompile.runtime.host_kernels.library import kernels
         library = kernels().library
         values, seen = {}, []
         @ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int)

@@ -10,11 +10,11 @@ import textwrap
 import pytest
 import torch
 import torch.nn as nn
-from fresh_process import run_json
 
+from tests.fresh_process import run_json
 from tpucompile import driver
 from tpucompile.runtime import compile_module, optimized_hlo
-from tpucompile.runtime.host_blas import CONV_TARGET_NAME, kernels
+from tpucompile.runtime.host_kernels.library import CONV_TARGET_NAME, kernels
 from tpucompile.runtime.transfer import to_buffer, to_tensor
 
 # (name, module, input shape, kernel calls in forward + backward programs)
@@ -132,12 +132,12 @@ def test_turning_the_convolutions_off_changes_the_executable_key_not_the_results
     """``TPUCOMPILE_HOST_CONV=0`` compiles XLA's own convolutions, under other cache keys, same results."""
     script = textwrap.dedent("""
         import json, torch
-        from tpucompile import compile_cache
+        from tpucompile import artifacts
         from tpucompile.runtime import get_target
         torch.manual_seed(0)
         conv = torch.nn.Conv2d(3, 4, 3, padding=1)
         out = torch.compile(conv, backend="tpucompile", options={"host_kernels": "on"})(torch.randn(2, 3, 16, 16))
-        print(json.dumps({"host_blas": compile_cache.environment(get_target())["host_blas"],
+        print(json.dumps({"host_blas": artifacts.environment(get_target())["host_blas"],
                           "out": out.flatten().tolist()}))
     """)
     on, off = (run_json(script, {"TPUCOMPILE_HOST_CONV": value, "TPUCOMPILE_CACHE_DIR": str(tmp_path / "cache")})

@@ -22,7 +22,7 @@ import torch.nn as nn
 
 from tpucompile import driver
 from tpucompile.runtime import optimized_hlo
-from tpucompile.runtime.host_blas import CONV_TARGET_NAME
+from tpucompile.runtime.host_kernels.library import CONV_TARGET_NAME
 
 
 class _DenseLayer(nn.Module):

@@ -1,0 +1,1 @@
+"""Part of the ``tests`` package (see ``tests/__init__.py``)."""
