@@ -252,7 +252,7 @@ def _training_runner(
     """An autograd.Function over the forward and backward programs, as AOTAutograd's is for plain graphs.
 
     The values the forward saves that its program computed stay device buffers (a torch tensor per value
-    costs an export in the forward and a lookup in the backward, ~6 us each). They travel to the backward on
+    costs an export in the forward and a lookup in the backward). They travel to the backward on
     a zero-size tensor passed to ``save_for_backward``, so that autograd frees them when it frees saved
     tensors: after the backward unless the graph is retained. Saved arguments (weights) are saved as the
     tensors they are, so autograd still catches in-place changes to them before the backward; under saved

@@ -3,10 +3,9 @@
 PyTorch's Python dispatcher decomposes ``upsample_nearest2d`` and ``upsample_{linear1d,bilinear2d,
 trilinear3d}`` at the autograd key, before any decomposition table applies, into gathers, and autograd turns
 those into accumulating ``index_put``s in the backward (one for nearest, two per dim for linear): scatters,
-which XLA's CPU backend runs one element at a time (UNet's bilinear layer, 4x16x16x16 -> 32x32: a ~1 ms
-backward against eager's 0.2 ms). These modes are linear and separable, ``out = A_h @ x @ A_w^T`` in 2-D
-with constant ``(out, in)`` matrices, so the gradient is ``A_h^T @ grad @ A_w``: one product per resampled
-dim (0.18-0.22 ms there).
+which XLA's CPU backend runs one element at a time. These modes are linear and separable, ``out = A_h @ x @
+A_w^T`` in 2-D with constant ``(out, in)`` matrices, so the gradient is ``A_h^T @ grad @ A_w``: one product
+per resampled dim (docs/benchmarks.md has the measurements).
 
 The forward stays a gather (it fuses into one loop, cheaper than two products): ``F.interpolate`` for
 linear modes, and for nearest an index with the kernel's own source indices, because PyTorch's decomposition
@@ -15,7 +14,7 @@ Only the backward is written as products, through an ``autograd.Function`` that 
 other. One forward is not a gather: linear upsampling by a power of two without ``align_corners`` (``nn.Upsample
 (scale_factor=2, mode="bilinear")`` in U-Nets and decoders) has the same two weights at every ``k``-th output, so
 each of the ``k`` phases is a weighted sum of two shifted slices of the edge-padded input, interleaved
-(``phase_upsample``): index arithmetic XLA fuses into one loop, 4-5x faster than its gather on CPU.
+(``phase_upsample``): index arithmetic XLA fuses into one loop, faster than its gather on CPU.
 
 The matrices hold the weights of PyTorch's CPU kernels, computed in float32 (float64 for float64 inputs) as
 they do. Linear: source coordinate ``scale * (dst + 0.5) - 0.5`` clamped at 0 (``scale * dst`` with
