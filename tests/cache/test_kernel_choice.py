@@ -61,20 +61,63 @@ def test_auto_sends_an_op_to_the_host_kernel_only_where_it_was_measured_faster(d
     timings["host_faster"] = host_faster
     result, events = _compile("auto")
     torch.testing.assert_close(result, model(*_inputs()), rtol=1e-4, atol=1e-4)
-    assert timings["calls"] == 2, "the dot and the convolution are timed once each"
+    # the dot and the convolution are timed once each, then (when they won) the program with them
+    assert timings["calls"] == (3 if host_faster else 2)
     assert _host_calls(events) == (2 if host_faster else 0)
     (event,) = events
     assert len(event.key_components["host_ops"]) == (2 if host_faster else 0)
     stored = json.loads(store.path.read_text())
-    assert sorted(stored) == sorted(kernel_choice.chosen_ops(event.program.bytecode(), _target(), "on"))
+    ops = {sign: d for sign, d in stored.items() if not d["op"].startswith("a program")}
+    assert sorted(ops) == sorted(kernel_choice.chosen_ops(event.program.bytecode(), _target(), "on"))
+    assert len(stored) - len(ops) == (1 if host_faster else 0)
     assert all(d["host"] is host_faster for d in stored.values())
+
+
+def test_ops_that_win_alone_are_dropped_when_their_program_does_not_gain(decisions, monkeypatch):
+    """Faster alone, slower in the program (fusions lost around the calls): XLA's ops everywhere."""
+    store, _ = decisions
+    calls = []
+
+    def alone_faster_together_slower(xla_program, host_program, target):
+        calls.append(xla_program)
+        return ([2e-3] * 3, [1e-3] * 3) if len(calls) <= 2 else ([1e-3] * 3, [2e-3] * 3)
+
+    monkeypatch.setattr(kernel_choice, "time_both", alone_faster_together_slower)
+    result, (event,) = _compile("auto")
+    torch.testing.assert_close(result, model(*_inputs()), rtol=1e-4, atol=1e-4)
+    assert len(calls) == 3 and "stablehlo.convolution" in calls[2] and "stablehlo.dot_general" in calls[2]
+    assert event.key_components["host_ops"] == [] and _host_calls([event]) == 0
+    verdicts = sorted((d["op"].startswith("a program"), d["host"]) for d in json.loads(store.path.read_text()).values())
+    assert verdicts == [(False, True), (False, True), (True, False)]
+
+
+def test_a_whole_program_with_integer_inputs_is_timed():
+    """The program check runs programs whose arguments are indices and seeds, not only floats."""
+
+    def lookup(indices, table, weight):
+        return torch.nn.functional.dropout(table[indices] @ weight, 0.1) + torch.rand(weight.shape[1])
+
+    generator = torch.Generator().manual_seed(0)
+    args = (torch.randint(0, 50, (6,), generator=generator), torch.randn(50, 16, generator=generator),
+            torch.randn(16, 8, generator=generator))
+    with fresh_start() as events:
+        torch.compile(lookup, backend="tpucompile", options={"host_kernels": "off"})(*args)
+    (event,) = events
+    program = event.program.text(debug_info=False)
+    assert "xi64>" in program
+    chosen = kernel_choice.chosen_ops(program, _target(), "on")
+    host = kernel_choice.apply(program, _target(), chosen)
+    assert chosen and host != program
+    xla_rounds, host_rounds = kernel_choice.time_both(program, host, _target())
+    assert len(xla_rounds) == len(host_rounds) == kernel_choice._ROUNDS
+    assert all(t > 0 for t in [*xla_rounds, *host_rounds])
 
 
 def test_decisions_are_reused_and_the_choice_is_part_of_the_key(decisions):
     store, timings = decisions
     _, (first,) = _compile("auto")
     _, (again,) = _compile("auto")
-    assert timings["calls"] == 2 and again.tier == "local" and again.key == first.key
+    assert timings["calls"] == 3 and again.tier == "local" and again.key == first.key
     # another process of this machine reads the stored decisions instead of timing again
     assert kernel_choice._Decisions(store.path).known == store.known
     _, (off,) = _compile("off")
@@ -90,7 +133,8 @@ def test_every_mode_gives_the_same_results(tmp_path, monkeypatch, caplog):
     monkeypatch.setattr(kernel_choice, "_decisions", lambda: store)
     store = kernel_choice._Decisions(tmp_path / "choices.json")
     results = {mode: _compile(mode)[0] for mode in ("off", "on", "auto")}
-    assert len(json.loads(store.path.read_text())) == 2, "the dot and the convolution were timed"
+    stored = json.loads(store.path.read_text()).values()
+    assert sum(not d["op"].startswith("a program") for d in stored) == 2, "the dot and the convolution were timed"
     assert "could not time" not in caplog.text
     torch.testing.assert_close(results["on"], results["off"], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(results["auto"], results["off"], rtol=1e-5, atol=1e-5)

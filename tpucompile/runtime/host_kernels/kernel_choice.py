@@ -3,7 +3,9 @@
 The host kernels (``dots``, ``convolutions``) beat XLA's own dots and convolutions on some shapes
 and lose on others, and where the line falls depends on the machine: its cores, its BLAS, the threads torch
 and XLA keep busy. So, as Inductor's autotuner does, each distinct op is timed both ways on this machine the
-first time a program holding it is compiled, and goes to the host kernel only where that is measurably faster.
+first time a program holding it is compiled, and goes to the host kernel only where that is measurably faster;
+then the program itself is timed with and without the chosen ops calling the kernels, and keeps them only
+where the whole program gains (an op alone does not show the fusions its program loses around a call).
 
 An op is identified by its *micro-program*: a one-op StableHLO function holding the op and the chain of
 transposes its operands are read through (what the kernel's rewrite looks at), printed without locations.
@@ -89,7 +91,23 @@ def chosen_ops(module: bytes | str, target: Any, mode: str) -> tuple[str, ...]:
             sign = signature(micro)
             if mode == "on" or _decisions().host_is_faster(sign, micro, host, target, describe(op)):
                 chosen.add(sign)
+        program = parsed.operation.get_asm(enable_debug_info=False)
+    if mode == "auto" and chosen and not _program_gains(program, sorted(chosen), target):
+        return ()
     return tuple(sorted(chosen))
+
+
+def _program_gains(program: str, chosen: list[str], target: Any) -> bool:
+    """Whether the whole ``program`` (text without locations) runs faster with the ops ``chosen`` alone
+    calling the host kernels.
+
+    An op timed alone does not show what its program loses around a custom call: XLA fuses a product's bias
+    and activation into its own dot, not into a call, and each call has a fixed cost. So the chosen set is
+    timed in its program once (per machine, like the ops), and dropped unless the program gains."""
+    sign = signature(program + "\n" + ",".join(chosen))
+    host_program = apply(program, target, chosen)
+    what = f"a program with {len(chosen)} host-kernel op(s)"
+    return _decisions().host_is_faster(sign, program, host_program, target, what)
 
 
 def apply(module: bytes | str, target: Any, chosen: Iterable[str] | None) -> bytes | str:
@@ -268,14 +286,13 @@ def time_both(xla_program: str, host_program: str, target: Any) -> tuple[list[fl
     options = compile_options(target)
     programs = [target.client.compile_and_load(p, target.device_list(), options) for p in (xla_program, host_program)]
     with context():
-        function = ir.Module.parse(xla_program).body.operations[0]
+        (function,) = [op for op in ir.Module.parse(xla_program).body.operations
+                       if ir.StringAttr(op.attributes["sym_name"]).value == "main"]
         types = [ir.RankedTensorType(t) for t in ir.TypeAttr(function.attributes["function_type"]).value.inputs]
     # Real tensors, also while a compile traces with fake ones (Dynamo's and AOTAutograd's fake tensor mode).
     with unset_fake_temporarily():
         generator = torch.Generator().manual_seed(0)
-        tensors = [torch.randn(list(t.shape), generator=generator).to(_TORCH_TYPES.get(str(t.element_type),
-                                                                                      torch.float32))
-                   for t in types]
+        tensors = [_example(list(t.shape), str(t.element_type), generator) for t in types]
         inputs = [to_buffer(tensor, target.device) for tensor in tensors]  # sharing the tensors' memory
     samples: list[list[float]] = [[], []]
     for program in programs:  # a first untimed call of each
@@ -299,4 +316,16 @@ def _run(program: Any, inputs: list[Any]) -> None:
         result[0].block_until_ready()
 
 
-_TORCH_TYPES = {"f32": torch.float32, "f64": torch.float64, "f16": torch.float16, "bf16": torch.bfloat16}
+_FLOAT_TYPES = {"f32": torch.float32, "f64": torch.float64, "f16": torch.float16, "bf16": torch.bfloat16}
+_OTHER_TYPES = {"i1": torch.bool, "i8": torch.int8, "i16": torch.int16, "i32": torch.int32, "i64": torch.int64,
+                "ui8": torch.uint8, "complex<f32>": torch.complex64, "complex<f64>": torch.complex128}
+
+
+def _example(shape: list[int], element_type: str, generator: torch.Generator) -> torch.Tensor:
+    """An input for timing: normal floats; zeros for integers and booleans (valid as indices, offsets and
+    seeds, so a whole program runs on them as it would on real data)."""
+    if element_type in _FLOAT_TYPES:
+        return torch.randn(shape, generator=generator).to(_FLOAT_TYPES[element_type])
+    if element_type in _OTHER_TYPES:
+        return torch.zeros(shape, dtype=_OTHER_TYPES[element_type])
+    raise ValueError(f"no example input of element type {element_type}")
