@@ -18,6 +18,7 @@ from tpucompile.lowering.builder.gather_scatter import (
 )
 from tpucompile.lowering.builder.linear import contract_trailing, dot_general, eye
 from tpucompile.lowering.builder.reductions import (
+    fill_combiner,
     reduce,
     reduce_max,
     reduce_min,
@@ -55,6 +56,7 @@ __all__ = [
     "dot_general",
     "dtype_of",
     "eye",
+    "fill_combiner",
     "index_coordinates",
     "iota",
     "is_nan",

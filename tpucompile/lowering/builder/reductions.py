@@ -18,6 +18,16 @@ from tpucompile.lowering.types import tensor_type
 Combiner = Callable[[Sequence[ir.Value], Sequence[ir.Value]], Sequence[ir.Value]]
 
 
+def fill_combiner(op: ir.OpView, scalar_types: Sequence[ir.Type], combine: Combiner) -> None:
+    """Build the combiner region of a reduce or reduce_window ``op``: its block takes one accumulator then one
+    element per operand (``scalar_types``), and returns ``combine(accumulators, elements)``."""
+    block = op.regions[0].blocks.append(*scalar_types, *scalar_types)
+    count = len(scalar_types)
+    with ir.InsertionPoint(block):
+        args = list(block.arguments)
+        hlo.return_(list(combine(args[:count], args[count:])))
+
+
 def reduce(
     operands: Sequence[ir.Value],
     init_values: Sequence[ir.Value],
@@ -30,12 +40,7 @@ def reduce(
     out_shape = [s for i, s in enumerate(in_shape) if i not in dims]
     result_types = [tensor_type(out_shape, dtype_of(v)) for v in operands]
     op = hlo.ReduceOp(result_types, list(operands), list(init_values), dims)
-    scalar_types = [tensor_type((), dtype_of(v)) for v in operands]
-    block = op.regions[0].blocks.append(*scalar_types, *scalar_types)
-    count = len(operands)
-    with ir.InsertionPoint(block):
-        args = list(block.arguments)
-        hlo.return_(list(body(args[:count], args[count:])))
+    fill_combiner(op, [tensor_type((), dtype_of(v)) for v in operands], body)
     return list(op.results)
 
 
@@ -135,10 +140,5 @@ def scan(operands: Sequence[ir.Value], identities: Sequence[ir.Value], dim: int,
         window_dilations=[1] * rank,
         padding=ir.DenseIntElementsAttr.get(padding),
     )
-    scalars = [tensor_type((), dtype_of(v)) for v in operands]
-    block = op.regions[0].blocks.append(*scalars, *scalars)
-    count = len(operands)
-    with ir.InsertionPoint(block):
-        args = list(block.arguments)
-        hlo.return_(list(combine(args[:count], args[count:])))
+    fill_combiner(op, [tensor_type((), dtype_of(v)) for v in operands], combine)
     return list(op.results)

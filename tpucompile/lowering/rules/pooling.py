@@ -106,11 +106,7 @@ def _argmax_window(
             np.asarray([(0, 0)] * lead + list(padding), dtype=np.int64).reshape(len(shape), 2)
         ),
     )
-    scalars = [tensor_type((), dtype), tensor_type((), torch.int64)]
-    block = op.regions[0].blocks.append(*scalars, *scalars)
-    with ir.InsertionPoint(block):
-        args = list(block.arguments)
-        hlo.return_(_argmax_combiner(dtype)(args[:2], args[2:]))
+    builder.fill_combiner(op, [tensor_type((), dtype), tensor_type((), torch.int64)], _argmax_combiner(dtype))
     return list(op.results)
 
 
