@@ -89,7 +89,7 @@ def chosen_ops(module: bytes | str, target: Any, mode: str) -> tuple[str, ...]:
             if host is micro:  # the kernels do not take this op
                 continue
             sign = signature(micro)
-            if mode == "on" or _decisions().host_is_faster(sign, micro, host, target, describe(op)):
+            if mode == "on" or _decisions().host_is_faster(sign, micro, lambda host=host: host, target, describe(op)):
                 chosen.add(sign)
         program = parsed.operation.get_asm(enable_debug_info=False)
     if mode == "auto" and chosen and not _program_gains(program, sorted(chosen), target):
@@ -105,9 +105,8 @@ def _program_gains(program: str, chosen: list[str], target: Any) -> bool:
     and activation into its own dot, not into a call, and each call has a fixed cost. So the chosen set is
     timed in its program once (per machine, like the ops), and dropped unless the program gains."""
     sign = signature(program + "\n" + ",".join(chosen))
-    host_program = apply(program, target, chosen)
     what = f"a program with {len(chosen)} host-kernel op(s)"
-    return _decisions().host_is_faster(sign, program, host_program, target, what)
+    return _decisions().host_is_faster(sign, program, lambda: apply(program, target, chosen), target, what)
 
 
 def apply(module: bytes | str, target: Any, chosen: Iterable[str] | None) -> bytes | str:
@@ -205,14 +204,20 @@ class _Decisions:
         self.known: dict[str, dict[str, Any]] = self._read()
         self.lock = threading.Lock()
 
-    def host_is_faster(self, sign: str, xla_program: str, host_program: str, target: Any, what: str) -> bool:
+    def host_is_faster(
+        self, sign: str, xla_program: str, host_program: Callable[[], str], target: Any, what: str
+    ) -> bool:
+        """The stored decision for ``sign``, or a new one by timing ``xla_program`` against the program
+        ``host_program()`` builds (built only then: a stored decision needs no rewrite)."""
         with self.lock:
             found = self.known.get(sign)
             if found is None:
                 found = self._measure(sign, xla_program, host_program, target, what)
             return bool(found["host"])
 
-    def _measure(self, sign: str, xla_program: str, host_program: str, target: Any, what: str) -> dict[str, Any]:
+    def _measure(
+        self, sign: str, xla_program: str, host_program: Callable[[], str], target: Any, what: str
+    ) -> dict[str, Any]:
         """Time the op both ways, one process of the machine at a time: the others wait and take its decision
         (so processes compiling the same program agree on it, and on its key), and no timing runs beside
         another timing."""
@@ -227,7 +232,7 @@ class _Decisions:
             if found is not None:
                 return found
             try:
-                xla_rounds, host_rounds = time_both(xla_program, host_program, target)
+                xla_rounds, host_rounds = time_both(xla_program, host_program(), target)
             except Exception as error:  # a timing that fails leaves the op with XLA; it never fails a compile
                 log.warning("tpucompile: could not time the host kernel for %s, XLA's op is kept: %s", what, error)
                 self.known[sign] = {"op": what, "host": False}  # for this process; timed again in the next
