@@ -19,7 +19,8 @@ from tpucompile.runtime import custom_calls, get_target
 _OPS = """
 import json, sys, torch
 spd = lambda a: a @ a.mT + 4 * torch.eye(a.shape[-1])
-OPS = {
+OPS = {  # the first calls LAPACK and has a matrix product: it must run before anything sets up LAPACK
+    "inv_matmul": lambda a: torch.linalg.inv(a) @ a.T,
     "qr": lambda a: torch.linalg.qr(a)[0],
     "svdvals": torch.linalg.svdvals,
     "solve": lambda a: torch.linalg.solve(a, a[:, :2]),
@@ -37,6 +38,9 @@ OPS = {
 if "--drop-recorded-calls" in sys.argv:  # write entries as a release that did not record their calls
     import tpucompile.artifacts.executables as executables
     executables.custom_call_targets = lambda executable, platform: None
+if "--host-always-wins" in sys.argv:  # every timing of the host kernels, ops and whole programs, runs and wins
+    from tpucompile.runtime.host_kernels import kernel_choice
+    kernel_choice.host_wins = lambda xla_rounds, host_rounds: True
 a = torch.randn(4, 4, generator=torch.Generator().manual_seed(0)) + 2 * torch.eye(4)
 errors = {}
 for name, fn in OPS.items():
@@ -47,8 +51,8 @@ print(json.dumps(errors))
 """
 
 
-def _run_ops(cache_dir, mode: str, *args: str) -> dict[str, float]:
-    env = workload_env(cache_dir, TPUCOMPILE_CACHE_MODE=mode, TPUCOMPILE_FALLBACK="error")
+def _run_ops(cache_dir, mode: str, *args: str, **settings: str) -> dict[str, float]:
+    env = workload_env(cache_dir, TPUCOMPILE_CACHE_MODE=mode, TPUCOMPILE_FALLBACK="error", **settings)
     done = subprocess.run([sys.executable, "-c", _OPS, *args], capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, f"exit code {done.returncode}:\n{done.stderr[-3000:]}"
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -64,6 +68,19 @@ def test_linear_algebra_and_host_kernels_run_warm_in_a_fresh_process(tmp_path, r
     warm = _run_ops(tmp_path, "strict")
     assert all(error < 1e-4 for error in cold.values()), cold
     assert warm == cold
+
+
+@pytest.mark.parametrize("host_kernels", ["on", "auto"])
+def test_programs_lowered_by_another_process_run_when_compiled_now(tmp_path, host_kernels):
+    """A program whose StableHLO comes from the cache (lowered in another process, so nothing here has set up
+    LAPACK) but whose executable is compiled now, here with other host-kernel choices, and, in ``auto``, timed
+    alone and in its whole program with the host kernels: neither the timing nor the run may crash."""
+    cold = _run_ops(tmp_path / "cache", "read-write", TPUCOMPILE_HOST_KERNELS="off")
+    extra = ("--host-always-wins",) if host_kernels == "auto" else ()
+    again = _run_ops(tmp_path / "cache", "read-write", *extra, TPUCOMPILE_HOST_KERNELS=host_kernels,
+                     TPUCOMPILE_BUILD_DIR=str(tmp_path / "build"))
+    assert all(error < 1e-4 for error in cold.values()), cold
+    assert all(error < 1e-4 for error in again.values()), again
 
 
 def test_prepare_initialises_lapack_and_refuses_what_the_process_lacks():

@@ -7,6 +7,7 @@ from collections.abc import Iterable
 from jaxlib import xla_client
 
 from tpucompile.errors import CompileError
+from tpucompile.runtime.custom_calls import make_ready
 from tpucompile.runtime.host_kernels import kernel_choice
 from tpucompile.runtime.targets.local import Target
 from tpucompile.runtime.xla_options import compile_options
@@ -19,9 +20,14 @@ def compile_module(module: bytes | str, target: Target, num_partitions: int | No
     kernels (``kernel_choice.chosen_ops``); None sends every op they take."""
     module = for_target(module, target, host_ops)
     try:
-        return target.client.compile_and_load(module, target.device_list(), compile_options(target, num_partitions))
+        loaded = target.client.compile_and_load(module, target.device_list(), compile_options(target, num_partitions))
     except Exception as error:  # XlaRuntimeError and friends: keep XLA's words, say whose they are
         raise CompileError(f"XLA failed to compile the lowered program for {target.platform}: {error}") from error
+    try:
+        make_ready(loaded, target.platform)
+    except RuntimeError as error:
+        raise CompileError(f"{error} ({target.platform})") from error
+    return loaded
 
 
 def for_target(module: bytes | str, target: Target, host_ops: Iterable[str] | None = None) -> bytes | str:

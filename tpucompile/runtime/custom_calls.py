@@ -9,7 +9,8 @@ an uninitialised handler jumps through a null pointer (SIGSEGV inside XLA's exec
 
 So each compiled program's entry records the targets its optimised HLO calls (``targets_of``), and a
 process prepares them before it loads the program (``prepare``): known libraries are initialised, and a
-target this process cannot serve makes the entry a miss with a reason instead of a crash.
+target this process cannot serve makes the entry a miss with a reason instead of a crash. A program compiled
+now needs the same (``make_ready``): its StableHLO may come from the cache, lowered by another process.
 """
 
 from __future__ import annotations
@@ -54,6 +55,14 @@ def prepare(targets: Iterable[str], platform: str) -> str | None:
             if name.startswith(prefix):
                 initialise()
     return None
+
+
+def make_ready(executable: object, platform: str) -> None:
+    """Set up the libraries a program just compiled in this process calls, before it first runs (its
+    StableHLO may have been lowered by another process, so nothing here has initialised them)."""
+    unready = prepare(targets_of(executable, platform), platform)
+    if unready is not None:
+        raise RuntimeError(f"the compiled program cannot run in this process: {unready}")
 
 
 def _registered_targets(platform: str) -> dict:

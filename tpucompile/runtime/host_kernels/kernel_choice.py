@@ -41,6 +41,7 @@ from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import func
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+from tpucompile.runtime.custom_calls import make_ready
 from tpucompile.runtime.host_kernels import library
 from tpucompile.runtime.host_kernels.convolutions import CONVOLUTION_REPLACEMENTS
 from tpucompile.runtime.host_kernels.dots import dot_replacements
@@ -290,6 +291,8 @@ def time_both(xla_program: str, host_program: str, target: Any) -> tuple[list[fl
     on the same random inputs."""
     options = compile_options(target)
     programs = [target.client.compile_and_load(p, target.device_list(), options) for p in (xla_program, host_program)]
+    for program in programs:  # LAPACK and friends set up, as for any program about to run
+        make_ready(program, target.platform)
     with context():
         (function,) = [op for op in ir.Module.parse(xla_program).body.operations
                        if ir.StringAttr(op.attributes["sym_name"]).value == "main"]
