@@ -326,3 +326,29 @@ def test_hypot_ldexp_angle_frexp_grad():
         return torch.hypot(a, b), torch.ldexp(a, b.clamp(-3, 3)), torch.angle(a) + a, torch.frexp(b)[0]
 
     assert_compiles_like_eager(fn, a, b, grad=True)
+
+
+def test_addcmul_with_a_value_and_a_compiled_adam_step():
+    """Dynamo writes ``addcmul_(t1, t2, value=v)`` as Inductor's ``prims.fma`` (every Adam step does it): lowered
+    as its eager implementation, and three compiled AdamW steps equal eager ones."""
+    def fn(x, a, b):
+        x = x.clone()
+        x.addcmul_(a, b, value=0.25)
+        return x
+
+    assert_compiles_like_eager(fn, torch.randn(5, 3), torch.randn(5, 3), torch.randn(3))
+    torch.manual_seed(0)
+    eager = torch.nn.Linear(6, 4)
+    compiled = torch.nn.Linear(6, 4)
+    compiled.load_state_dict(eager.state_dict())
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (eager, compiled)]
+    step = torch.compile(optimizers[1].step, backend="tpucompile")
+    for _ in range(3):
+        x = torch.randn(8, 6)
+        for model in (eager, compiled):
+            model.zero_grad()
+            model(x).square().mean().backward()
+        optimizers[0].step()
+        step()
+    for expected, actual in zip(eager.parameters(), compiled.parameters(), strict=True):
+        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6)

@@ -52,3 +52,33 @@ def test_linear_cross_entropy_chunked(aten_ops, reduction):
     )
     op = "_linear_cross_entropy_batch_chunked" + ("_no_reduction" if reduction == "none" else "")
     assert getattr(torch.ops.torch_nn, op).default in aten_ops
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "class-weights"])
+@pytest.mark.parametrize("shape", [(6, 5), (5,), (2, 5, 3, 4)], ids=["rows", "no-batch", "image"])
+def test_nll_loss_backward_as_a_one_hot(aten_ops, reduction, weighted, shape):
+    """Cross-entropy's gradient through the one-hot decomposition of ``nll_loss_backward`` (and ``2d``): equal to
+    eager for every reduction, class weights, ignored targets, no batch dim and per-pixel targets, and no
+    scatter left in the graph that XLA would have to run over the logits' whole size."""
+    classes = shape[0] if len(shape) == 1 else shape[1]
+    target_shape = () if len(shape) == 1 else (shape[0], *shape[2:])
+    target = torch.randint(0, classes, target_shape)
+    if target.dim():
+        target.view(-1)[1] = -100  # an ignored element
+    weight = torch.rand(classes) + 0.5 if weighted else None
+    if len(shape) == 1 and reduction == "none":
+        reduction = "sum"  # a 1-d input has one loss; "none" gives it as a 0-d tensor, covered by "sum"
+    assert_compiles_like_eager(
+        lambda x: F.cross_entropy(x, target, weight=weight, reduction=reduction), torch.randn(shape), grad=True)
+    backward = aten.nll_loss2d_backward.default if len(shape) == 4 else aten.nll_loss_backward.default
+    assert backward not in aten_ops, "the backward reached the lowering undecomposed"
+    assert not {aten.scatter.value, aten.scatter.src, aten.scatter_add.default} & aten_ops
+
+
+def test_nll_loss_backward_bfloat16_language_model_head():
+    """A bf16 head of a language model: logits of (tokens, vocabulary), the mean loss and its gradient as eager
+    computes them (bf16 rounding of the one-hot gradient, same tolerance as any bf16 elementwise op)."""
+    logits = torch.randn(64, 300).to(torch.bfloat16)
+    target = torch.randint(0, 300, (64,))
+    assert_compiles_like_eager(lambda x: F.cross_entropy(x, target), logits, grad=True, atol=2e-2, rtol=2e-2)

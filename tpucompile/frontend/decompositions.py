@@ -122,13 +122,63 @@ def unique_consecutive_normalized_dim(
     return aten.unique_consecutive.default(input, return_inverse, return_counts, dim % max(input.dim(), 1))
 
 
-@functools.cache
+def nll_loss_backward(
+    grad_output: torch.Tensor,
+    self: torch.Tensor,
+    target: torch.Tensor,
+    weight: torch.Tensor | None,
+    reduction: int,
+    ignore_index: int,
+    total_weight: torch.Tensor,
+) -> torch.Tensor:
+    """The gradient of ``nll_loss`` (and ``nll_loss2d``) with the target's one-hot built by comparing a class
+    index range with the target, where PyTorch's decomposition scatters into a tensor of zeros: a comparison
+    is elementwise, so XLA fuses it into the log-softmax backward that consumes it, instead of writing a
+    zeros tensor of the logits' size and scattering into it (for a language model's head, two extra passes
+    over ``tokens x vocabulary``). Same values: ``-grad * weight[target]`` at the target class, 0 elsewhere
+    and on ignored targets."""
+    channel_dim = 0 if self.dim() < 2 else 1
+    if reduction == 1:  # mean
+        grad_output = grad_output / total_weight
+    if self.dim() == 1 and target.dim() > 0:  # no batch dim: the kernel reads target[0] only
+        target = target[0]
+    target = target.unsqueeze(channel_dim)
+    kept = target != ignore_index
+    shape = [1] * self.dim()
+    shape[channel_dim] = self.shape[channel_dim]
+    classes = torch.arange(self.shape[channel_dim], device=self.device, dtype=target.dtype).reshape(shape)
+    hit = (classes == torch.where(kept, target, 0)) & kept
+    if self.dim() > grad_output.dim() > 0:
+        grad_output = grad_output.unsqueeze(channel_dim)
+    if weight is not None:
+        grad_output = grad_output * weight.reshape(shape)
+    return torch.where(hit, -grad_output, 0).to(self.dtype)
+
+
+def fused_multiply_add(a: torch.Tensor, b: Any, c: torch.Tensor) -> torch.Tensor:
+    """Inductor's ``prims.fma``, which Dynamo writes for ``addcmul_(..., value=v)`` (every Adam step): its eager
+    implementation, ``a * b + c``."""
+    return a * b + c
+
+
 def decomposition_table() -> dict[torch._ops.OpOverload, Callable]:
-    """The table handed to AOTAutograd (built once; treat it as read-only)."""
+    """The table handed to AOTAutograd (treat it as read-only). ``prims.fma`` exists only once Dynamo has
+    imported Inductor's prims (as it does when it first traces an ``addcmul_`` with a value), so the table
+    is built anew, once, when it appears."""
+    fma = getattr(torch.ops.prims, "fma", None)
+    return _table(fma.default if fma is not None else None)
+
+
+@functools.cache
+def _table(fma: torch._ops.OpOverload | None) -> dict[torch._ops.OpOverload, Callable]:
     table = dict(core_aten_decompositions())
+    if fma is not None:
+        table[fma] = fused_multiply_add
     table.update(get_decompositions(_FROM_TORCH))
     for op in LOWERED_WHOLE:
         table.pop(op, None)
     table[aten._native_batch_norm_legit_functional.default] = batch_norm_functional
     table[aten.unique_consecutive.default] = unique_consecutive_normalized_dim
+    table[aten.nll_loss_backward.default] = nll_loss_backward
+    table[aten.nll_loss2d_backward.default] = nll_loss_backward
     return table
