@@ -10,6 +10,7 @@ runs through AOTAutograd's wrapper only until its plan is complete, then through
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -23,6 +24,7 @@ from tpucompile import warm_start
 from tpucompile.config import Options
 from tpucompile.debug import recorder as dump
 from tpucompile.driver import compile_graph, record_graph
+from tpucompile.errors import OptionsError
 from tpucompile.frontend import decomposition_table, rewrite_attention, rewrite_interpolation
 from tpucompile.sharding.binding import bind_sharding, dtensor_outputs
 
@@ -36,7 +38,8 @@ def tpucompile_backend(
     mode: str | None = None,
 ) -> Callable[..., Any]:
     """Entry point Dynamo calls for ``torch.compile(model, backend="tpucompile", options=...)``."""
-    config, example_inputs = bind_sharding(Options.from_sources(options), gm, example_inputs)
+    config, example_inputs = bind_sharding(_compile_only_when_meta(Options.from_sources(options), gm, example_inputs),
+                                           gm, example_inputs)
     index = next(_graph_counter)
     dump.start_from_environment()
     record_graph(f"graph {index}", "fx", gm)
@@ -46,7 +49,7 @@ def tpucompile_backend(
         record_graph(f"graph {index}", "fx_rewrite_interpolation", gm)
 
     recorder = None
-    components = warm_start.plan_components(gm, example_inputs, config)
+    components = None if config.compile_only else warm_start.plan_components(gm, example_inputs, config)
     if components is not None and not dump.active():
         compiled = warm_start.compiled_from_plan(components, config, f"graph {index}")
         if compiled is not None:
@@ -73,3 +76,24 @@ def tpucompile_backend(
             partition_fn=min_cut_rematerialization_partition,
         )(gm, example_inputs))
     return compiled if recorder is None else recorder.take_over(compiled)
+
+
+def _compile_only_when_meta(config: Options, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Options:
+    """``config``, compile-only when the graph's inputs are ``meta`` tensors and there are targets to compile
+    for (the only thing meta tensors can do); a clear error when there are none, or when nothing would be
+    compiled at all."""
+    meta = next((i for i, t in enumerate(example_inputs) if isinstance(t, torch.Tensor) and t.is_meta), None)
+    if config.compile_only or meta is not None:
+        if not config.targets:
+            why = (f"input {_input_name(gm, meta)} is a meta tensor, which holds no values to run on"
+                   if meta is not None and not config.compile_only else "compile_only compiles for targets only")
+            raise OptionsError(f"{why}: give compile-only targets (options={{'targets': ['tpu:v5e:1x1']}} or "
+                               "TPUCOMPILE_TARGETS), or real tensors to run")
+        if not config.compile_only:
+            config = dataclasses.replace(config, compile_only=True)
+    return config
+
+
+def _input_name(gm: torch.fx.GraphModule, index: int) -> str:
+    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    return repr(names[index]) if index < len(names) else str(index)

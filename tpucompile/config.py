@@ -30,6 +30,11 @@ class Options:
     """Extra targets every graph is also compiled for and stored in the cache, never run here: TPU slices by
     topology ("tpu:v5e:2x2", compiled without a TPU) or other platforms of this machine ("cuda")."""
 
+    compile_only: bool = False
+    """Compile every graph for ``targets`` and store it, run nothing here: outputs are ``meta`` tensors of the
+    right shapes and dtypes, so a whole training step runs through. Implied when the inputs are ``meta``
+    tensors and ``targets`` are given (a model built under ``torch.device("meta")`` never holds weights)."""
+
     embed_constant_limit: int = 1024
     """Tensor constants with at most this many elements are embedded in the program; larger ones are passed
     as runtime arguments so they do not bloat the program text or its cache key."""

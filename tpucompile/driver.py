@@ -28,6 +28,7 @@ from tpucompile.lowering.sharding import program_shardings
 from tpucompile.passes import isolate_node, partition_supported, run_passes
 from tpucompile.runtime import (
     GraphExecutable,
+    ShapeOnlyExecutable,
     ShapeSpecializer,
     ShardedExecutable,
     get_mesh_target,
@@ -220,8 +221,12 @@ def _compile_region(
     metas = [n.meta.get("val") for n in placeholders]
     user_arg_count = len(placeholders) - len(lifted_constants)
 
-    def build(bindings: ShapeBindings) -> GraphExecutable:
+    def build(bindings: ShapeBindings) -> GraphExecutable | ShapeOnlyExecutable:
         program, program_sha256, program_tier = artifacts.lowered_program(gm, bindings, target, options)
+        if options.compile_only:  # for the targets only: nothing is compiled or run for this process
+            _compile_for_targets(gm, bindings, program, program_sha256, target, options, name)
+            return ShapeOnlyExecutable(program.output_plan, [(s.shape, s.dtype) for s in program.result_specs],
+                                       _output_devices(gm))
         loaded = artifacts.load_executable(program, program_sha256, target, options, name)
         _notify(name, gm, program, program_tier, loaded)
         _compile_for_targets(gm, bindings, program, program_sha256, target, options, name)
@@ -243,6 +248,13 @@ def _compile_region(
 
     names = [n.name for n in placeholders[:user_arg_count]]
     return ShapeSpecializer(name, build_for_call, names, options.max_shape_specializations)
+
+
+def _output_devices(gm: torch.fx.GraphModule) -> list[torch.device | None]:
+    """The device of each output of ``gm`` as traced (None where it is not a tensor)."""
+    outputs = gm.graph.output_node().args[0]
+    outputs = outputs if isinstance(outputs, (list, tuple)) else [outputs]
+    return [getattr(getattr(o, "meta", {}).get("val"), "device", None) for o in outputs]
 
 
 def load_compiled_graph(program_key: str, options: Options, name: str) -> GraphExecutable | None:

@@ -13,6 +13,7 @@ import jax  # noqa: F401  (first: jax quiets jaxlib's C++ INFO logs before jaxli
 from tpucompile.runtime.calling_convention import SEED_POSITION, OutputSlot
 from tpucompile.runtime.compiler import compile_module, optimized_hlo, unoptimized_hlo
 from tpucompile.runtime.executable import GraphExecutable
+from tpucompile.runtime.shape_only import ShapeOnlyExecutable
 from tpucompile.runtime.sharded import ShardedExecutable
 from tpucompile.runtime.specialize import ShapeSpecializer
 from tpucompile.runtime.targets.distributed import initialize as initialize_distributed
@@ -29,6 +30,7 @@ __all__ = [
     "SEED_POSITION",
     "GraphExecutable",
     "OutputSlot",
+    "ShapeOnlyExecutable",
     "ShapeSpecializer",
     "ShardedExecutable",
     "Target",

@@ -42,24 +42,32 @@ class TargetExecutable:
         return self.executable.serialize()
 
     def report(self) -> dict[str, Any]:
-        """Bytes per chip by use, and flops: what ``dump-hlo`` shows and cache entries keep."""
+        """Bytes per chip by use, flops, and the rest of XLA's cost analysis: what ``dump-hlo`` shows and cache
+        entries keep."""
         stats = self.executable.get_compiled_memory_stats()
         memory = {name: int(getattr(stats, f"{name}_size_in_bytes")) for name in
                   ("argument", "output", "alias", "temp", "generated_code")}
         memory["peak"] = int(getattr(stats, "peak_memory_in_bytes", 0) or 0) or (
             memory["argument"] + memory["output"] - memory["alias"] + memory["temp"] + memory["generated_code"])
-        return {"memory": memory, "flops": _flops(self.executable)}
+        cost = cost_analysis(self.executable)
+        return {"memory": memory, "flops": cost.get("flops"), "bytes_accessed": cost.get("bytes accessed"),
+                "transcendentals": cost.get("transcendentals"), "optimal_seconds": cost.get("optimal_seconds")}
 
 
-def _flops(executable: Any) -> float | None:
+def cost_analysis(executable: Any) -> dict[str, float]:
+    """XLA's whole-program cost figures for ``executable``: ``flops``, ``bytes accessed`` (memory traffic as the
+    target's compiler counts it), ``transcendentals``, and on TPUs ``optimal_seconds`` (its cost model's time
+    estimate, negative where the model has none). Per-operand breakdowns are left out; empty when the
+    compiler gives none."""
     try:
         analysis = executable.cost_analysis()
     except Exception:
-        return None
+        return {}
     if isinstance(analysis, list):  # one per HLO module on some jaxlib versions
         analysis = analysis[0] if analysis else {}
-    flops = analysis.get("flops") if isinstance(analysis, dict) else None
-    return float(flops) if flops is not None else None
+    if not isinstance(analysis, dict):
+        return {}
+    return {k: float(v) for k, v in analysis.items() if "{" not in k and isinstance(v, (int, float))}
 
 
 _UNSUPPORTED = {"tpu": {"complex<f64>": "TPUs have no complex128 (use complex64)"}}
