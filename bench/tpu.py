@@ -1,0 +1,281 @@
+"""What XLA's TPU compiler makes of tpucompile's programs, against the same models written by hand in JAX.
+
+    python bench/tpu.py [--target tpu:v5e:1x1] [--workloads gpt,llama] [--modes training] [--dtypes bfloat16]
+                        [--json out.json] [--breakdown gpt:training:bfloat16] [--top 25]
+
+No TPU is needed: libtpu compiles for a chip described by topology, and the figures are the compiler's own
+(``cost_analysis()``: flops, HBM bytes accessed, its time estimate ``optimal_seconds``;
+``get_compiled_memory_stats()``: peak memory and what is aliased). Every example model (``tpu_workloads.py``),
+inference and training, float32 and bfloat16, goes through ``torch.compile(backend="tpucompile",
+options={"targets": [target], "compile_only": True})``: its graphs are lowered and compiled for the target and
+nothing runs here. The reference is ``bench/jax_reference/<model>.py``, jitted for the same device: its
+forward for inference, one ``jax.jit(jax.value_and_grad(loss))`` program for training.
+
+Per row: flops, bytes and estimated time summed over tpucompile's programs (forward + backward in training),
+peak memory as the largest program's, the bytes the forward saves for the backward (activations; weights it
+passes on are counted apart), and the ratios to the reference. MFU is the reference's flops over the estimated
+time at the chip's peak bf16 rate (the compiler's ``optimal_seconds``, or where it is negative, as it is for most
+of these programs, its summed per-instruction cycle estimates at the chip's clock: an estimate without
+overlap, comparable between the two sides). ``--breakdown`` lists, for one row, each program's top-level instructions
+by the bytes they move, with the op and source line that made them (``hlo_bytes.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+from typing import Any
+
+os.environ.setdefault("TPUCOMPILE_CACHE_MODE", "off")
+
+import jax
+import numpy as np
+import torch
+from jaxlib import _hlo
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import hlo_bytes
+import tpu_workloads
+
+from tpucompile import driver
+from tpucompile.runtime.targets.compile_only import compile_only_target
+from tpucompile.runtime.targets.cross_compile import TargetExecutable
+
+PEAK_BF16_FLOPS = {"TPU v5 lite": 197e12, "TPU v6 lite": 918e12, "TPU v5": 459e12}
+"""Peak bfloat16 matrix throughput of one chip, by device kind (the vendor's published figures)."""
+CLOCK_HZ = {"TPU v5 lite": 1.5e9}
+"""Core clock, to turn the compiler's cycle estimates into seconds where its ``optimal_seconds`` is negative:
+v5e's peak is 4 MXUs of 128 x 128 multiply-adds per cycle, 197e12 / (4 * 128 * 128 * 2) = 1.5 GHz."""
+
+_PRINT = _hlo.HloPrintOptions()
+_PRINT.print_operand_shape = True  # what the breakdown reads operand sizes from
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclasses.dataclass
+class Program:
+    role: str
+    flops: float
+    bytes_accessed: float
+    optimal_seconds: float | None
+    memory: dict[str, int]
+    cycles: int = 0
+    """The sum of the TPU compiler's per-instruction cycle estimates (``hlo_bytes``): a time estimate that
+    ignores overlap, for programs whose ``optimal_seconds`` is negative (the cost model has no estimate)."""
+    hlo: str = dataclasses.field(repr=False, default="")
+
+
+@dataclasses.dataclass
+class Row:
+    workload: str
+    mode: str
+    dtype: str
+    ours: list[Program]
+    reference: Program
+    saved_activation_bytes: int = 0
+    saved_weight_bytes: int = 0
+    seconds: float = 0.0
+
+    def totals(self) -> dict[str, Any]:
+        times = [p.optimal_seconds for p in self.ours]
+        return {
+            "flops": sum(p.flops for p in self.ours),
+            "bytes": sum(p.bytes_accessed for p in self.ours),
+            "peak": max(p.memory["peak"] for p in self.ours),
+            "alias": sum(p.memory["alias"] for p in self.ours),
+            "seconds": sum(times) if all(t is not None and t > 0 for t in times) else None,
+            "cycles": sum(p.cycles for p in self.ours),
+        }
+
+
+def _program(role: str, executable: Any) -> Program:
+    report = TargetExecutable(executable, 0.0).report()
+    seconds = report.get("optimal_seconds")
+    hlo = "\n".join(m.to_string(_PRINT) for m in executable.hlo_modules())
+    cycles = sum(row.cycles for row in hlo_bytes.entry_traffic(hlo))
+    return Program(role, report.get("flops") or 0.0, report.get("bytes_accessed") or 0.0, seconds,
+                   report["memory"], cycles, hlo)
+
+
+def ours(workload: tpu_workloads.TpuWorkload, mode: str, target: str) -> tuple[list[Program], int, int]:
+    """tpucompile's programs for the workload's step, compiled for ``target`` only, and the bytes its backward
+    receives from its forward (activations, weights)."""
+    events: list[driver.CompileEvent] = []
+    remove = driver.add_observer(events.append)
+    torch._dynamo.reset()
+    options = {"targets": [target], "compile_only": True, "cache_mode": "off"}
+    compiled = torch.compile(workload.model, backend="tpucompile", options=options)
+    try:
+        if mode == "inference":
+            workload.model.eval()
+            with torch.no_grad():
+                compiled(*workload.inference_inputs)
+        else:
+            workload.model.train()
+            workload.loss(compiled).backward()
+    finally:
+        remove()
+    programs, activations, weights = [], 0, 0
+    for event in events:
+        if event.target != target:
+            continue
+        if event.error is not None or event.executable is None:
+            raise RuntimeError(f"{event.name} did not compile for {target}: {event.error}")
+        role = event.name.rsplit("(", 1)[-1].rstrip(")") if "(" in event.name else event.name
+        programs.append(_program(role, event.executable))
+        if role == "backward" and event.graph is not None:
+            for node in event.graph.graph.nodes:
+                value = node.meta.get("val")
+                if node.op != "placeholder" or not isinstance(value, torch.Tensor) or node.name.startswith(
+                        "tangents"):
+                    continue
+                size = value.numel() * value.element_size()
+                if node.name.startswith("primals"):
+                    weights += size
+                else:
+                    activations += size
+    return programs, activations, weights
+
+
+def reference(workload: tpu_workloads.TpuWorkload, mode: str, device: Any) -> Program:
+    """The hand-written JAX program for the workload's step, compiled for ``device``."""
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    params = {name: _struct(p, sharding) for name, p in workload.model.named_parameters()}
+    buffers = {name: _struct(b, sharding) for name, b in workload.model.named_buffers()}
+    module, config = workload.reference, workload.config
+    if mode == "inference":
+        def step(params, buffers, inputs):
+            return module.forward({**params, **buffers}, inputs, config)
+
+        inputs = _struct(workload.inference_inputs, sharding)
+    else:
+        def step(params, buffers, inputs):
+            def loss(params):
+                return module.loss({**params, **buffers}, inputs, config)
+
+            return jax.value_and_grad(loss, has_aux=workload.reference_loss_has_buffers)(params)
+
+        inputs = _struct(workload.training_inputs, sharding)
+    compiled = jax.jit(step).lower(params, buffers, inputs).compile()
+    return _program("jax", compiled.runtime_executable())
+
+
+def _struct(value: Any, sharding: Any) -> Any:
+    """``jax.ShapeDtypeStruct``s for torch tensors (nested in lists and tuples); integer tensors become int32,
+    as a JAX program holds token ids and indices."""
+    if isinstance(value, torch.Tensor):
+        dtype = {torch.bfloat16: jax.numpy.bfloat16}.get(value.dtype) or (
+            np.int32 if not value.is_floating_point() and value.dtype != torch.bool else
+            torch.empty(0, dtype=value.dtype).numpy().dtype)
+        return jax.ShapeDtypeStruct(tuple(value.shape), dtype, sharding=sharding)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_struct(v, sharding) for v in value)
+    return value
+
+
+def measure(name: str, mode: str, dtype: str, target: str, device: Any) -> Row:
+    start = time.perf_counter()
+    workload = tpu_workloads.build(name, _DTYPES[dtype])
+    programs, activations, weights = ours(workload, mode, target)
+    ref = reference(workload, mode, device)
+    return Row(name, mode, dtype, programs, ref, activations, weights, time.perf_counter() - start)
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    if a is None or b is None or not b:
+        return "n/a"
+    return f"{a / b:.2f}x"
+
+
+def _mfu(model_flops: float, seconds: float | None, peak_flops: float | None) -> str:
+    return f"{model_flops / (seconds * peak_flops):.0%}" if seconds and peak_flops else "n/a"
+
+
+def _gb(value: float) -> str:
+    return f"{value / 1e9:.2f}"
+
+
+def _mib(value: float) -> str:
+    return f"{value / 2**20:.0f}"
+
+
+def report(rows: list[Row], peak_flops: float | None, clock: float | None) -> str:
+    header = ("| workload | mode | dtype | programs | flops G (ratio) | HBM GB ours / JAX (ratio) | "
+              "peak MiB ours / JAX (ratio) | aliased MiB | saved for bw MiB (act + weights) | "
+              "est. ms ours / JAX (ratio) | est. Mcycles ours / JAX (ratio) | est. MFU ours / JAX |")
+    lines = [header, "|" + "---|" * (header.count("|") - 1)]
+    for row in rows:
+        t, r = row.totals(), row.reference
+        ref_seconds = r.optimal_seconds if r.optimal_seconds and r.optimal_seconds > 0 else None
+        ours_time = t["seconds"] or (t["cycles"] / clock if clock else None)
+        ref_time = ref_seconds or (r.cycles / clock if clock else None)
+        saved = (f"{_mib(row.saved_activation_bytes)} + {_mib(row.saved_weight_bytes)}"
+                 if row.mode == "training" else "")
+        seconds = "n/a" if t["seconds"] is None else f"{t['seconds'] * 1e3:.2f}"
+        ref_ms = "n/a" if ref_seconds is None else f"{ref_seconds * 1e3:.2f}"
+        lines.append(
+            f"| {row.workload} | {row.mode} | {row.dtype} | {'+'.join(p.role[:3] for p in row.ours)} | "
+            f"{t['flops'] / 1e9:.1f} ({_ratio(t['flops'], r.flops)}) | "
+            f"{_gb(t['bytes'])} / {_gb(r.bytes_accessed)} ({_ratio(t['bytes'], r.bytes_accessed)}) | "
+            f"{_mib(t['peak'])} / {_mib(r.memory['peak'])} ({_ratio(t['peak'], r.memory['peak'])}) | "
+            f"{_mib(t['alias'])} | {saved} | {seconds} / {ref_ms} ({_ratio(t['seconds'], ref_seconds)}) | "
+            f"{t['cycles'] / 1e6:.1f} / {r.cycles / 1e6:.1f} ({_ratio(t['cycles'], r.cycles)}) | "
+            f"{_mfu(r.flops, ours_time, peak_flops)} / {_mfu(r.flops, ref_time, peak_flops)} |")
+    return "\n".join(lines)
+
+
+def breakdown(row: Row, top: int) -> str:
+    parts = []
+    for program in [*row.ours, row.reference]:
+        rows = hlo_bytes.entry_traffic(program.hlo)
+        parts.append(f"### {row.workload} {row.mode} {row.dtype}: {program.role} "
+                     f"(XLA: {program.bytes_accessed / 1e9:.2f} GB accessed)\n\n{hlo_bytes.table(rows, top)}\n")
+    return "\n".join(parts)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--target", default="tpu:v5e:1x1")
+    parser.add_argument("--workloads", default=",".join(tpu_workloads.NAMES))
+    parser.add_argument("--modes", default="inference,training")
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--json", help="write the figures to this file")
+    parser.add_argument("--breakdown", action="append", default=[],
+                        help="workload:mode:dtype whose programs to break down by bytes (repeatable)")
+    parser.add_argument("--top", type=int, default=25)
+    args = parser.parse_args()
+
+    device = compile_only_target(args.target).devices[0]
+    peak_flops = PEAK_BF16_FLOPS.get(device.device_kind)
+    wanted = [(w, m, d) for w in args.workloads.split(",") for m in args.modes.split(",")
+              for d in args.dtypes.split(",")]
+    wanted += [tuple(b.split(":")) for b in args.breakdown if tuple(b.split(":")) not in wanted]
+    rows = []
+    for name, mode, dtype in wanted:
+        print(f"{name} {mode} {dtype} ...", file=sys.stderr, flush=True)
+        rows.append(measure(name, mode, dtype, args.target, device))
+    print(f"## {args.target} ({device.device_kind}), jax {jax.__version__}, torch {torch.__version__}\n")
+    print(report(rows, peak_flops, CLOCK_HZ.get(device.device_kind)))
+    for spec in args.breakdown:
+        row = next(r for r in rows if (r.workload, r.mode, r.dtype) == tuple(spec.split(":")))
+        print()
+        print(breakdown(row, args.top))
+    if args.json:
+        with open(args.json, "w") as stream:
+            json.dump({"target": args.target, "rows": [
+                {"workload": r.workload, "mode": r.mode, "dtype": r.dtype, "seconds": round(r.seconds, 1),
+                 "ours": [{k: v for k, v in dataclasses.asdict(p).items() if k != "hlo"} for p in r.ours],
+                 "reference": {k: v for k, v in dataclasses.asdict(r.reference).items() if k != "hlo"},
+                 "saved_activation_bytes": r.saved_activation_bytes, "saved_weight_bytes": r.saved_weight_bytes}
+                for r in rows]}, stream, indent=1, default=lambda v: None if isinstance(v, float) and math.isnan(v)
+                else v)
+
+
+if __name__ == "__main__":
+    main()

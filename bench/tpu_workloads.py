@@ -1,0 +1,151 @@
+"""The TPU benchmark's workloads: every example model at a size people train on a TPU chip, its batch, its
+training loss, and its hand-written JAX reference (``bench/jax_reference/``) called on the same shapes.
+
+A workload is built for one dtype: ``float32``, or ``bfloat16`` with the model cast by ``.to(torch.bfloat16)``
+and its floating-point inputs cast alike (integer inputs stay as they are), on both sides.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import pathlib
+import sys
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+_BENCH = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(_BENCH.parent / "examples"))
+sys.path.insert(0, str(_BENCH))
+
+
+@dataclasses.dataclass
+class TpuWorkload:
+    name: str
+    model: nn.Module
+    config: Any
+    """The example's own config, which the JAX reference reads too."""
+    inference_inputs: tuple
+    """Arguments of the model's inference call (eval mode)."""
+    training_inputs: tuple
+    """What the training loss reads: the inference arguments and the targets."""
+    loss: Callable[[Callable], torch.Tensor]
+    """The training loss, given the (compiled) model to call with ``training_inputs``."""
+    reference: ModuleType
+    """The hand-written JAX model: ``forward(params, inference_inputs, config)``, ``loss(params,
+    training_inputs, config)``."""
+    reference_loss_has_buffers: bool = False
+    """The reference's loss returns ``(loss, updated buffers)`` (models with BatchNorm, and DLRM's empty dict)."""
+    model_flops_note: str = ""
+
+
+def build(name: str, dtype: torch.dtype, small: bool = False) -> TpuWorkload:
+    """The workload ``name`` in ``dtype``; ``small`` (GPT only): a quarter of its width, 2 blocks, 2 x 128 tokens,
+    which compiles in seconds (the test suite's regression guard)."""
+    torch.manual_seed(0)
+    workload = _BUILDERS[name](small) if small else _BUILDERS[name]()
+    workload.model.to(dtype)
+    workload.inference_inputs = _cast(workload.inference_inputs, dtype)
+    workload.training_inputs = _cast(workload.training_inputs, dtype)
+    return workload
+
+
+def _cast(value: Any, dtype: torch.dtype) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() else value
+    if isinstance(value, (list, tuple)):
+        return type(value)(_cast(v, dtype) for v in value)
+    return value
+
+
+def _reference(name: str) -> ModuleType:
+    return importlib.import_module(f"jax_reference.{name}")
+
+
+def _tokens(vocab: int, batch: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    return (torch.randint(0, vocab, (batch, length), generator=generator),
+            torch.randint(0, vocab, (batch, length), generator=generator))
+
+
+def gpt(small: bool = False) -> TpuWorkload:
+    """GPT-2-style: 4 pre-LN blocks of width 1024 (8 heads), GELU MLP, tied head, 8 x 512 tokens."""
+    from mingpt import GPT, GPTConfig
+
+    if small:
+        config = GPTConfig(vocab_size=4096, block_size=128, n_layer=2, n_head=4, n_embd=256)
+        idx, targets = _tokens(config.vocab_size, 2, 128)
+    else:
+        config = GPTConfig(vocab_size=32768, block_size=512, n_layer=4, n_head=8, n_embd=1024)
+        idx, targets = _tokens(config.vocab_size, 8, 512)
+    return TpuWorkload("gpt", GPT(config), config, (idx,), (idx, targets), lambda net: net(idx, targets),
+                       _reference("mingpt"))
+
+
+def llama() -> TpuWorkload:
+    """Llama-style: 4 blocks of width 1024, 8 query and 4 key/value heads, SwiGLU 2816, RoPE, 8 x 512 tokens."""
+    from llama import Llama, LlamaConfig
+
+    config = LlamaConfig(vocab_size=32768, dim=1024, n_layers=4, n_heads=8, n_kv_heads=4, hidden_dim=2816,
+                         max_seq_len=512)
+    tokens, targets = _tokens(config.vocab_size, 8, 512)
+    return TpuWorkload("llama", Llama(config), config, (tokens,), (tokens, targets),
+                       lambda net: net(tokens, targets=targets), _reference("llama"))
+
+
+def qwen() -> TpuWorkload:
+    """Qwen3-MoE-style: 4 blocks of width 1024, 8/4 heads of 128, 8 experts of 768 (top 2), 8 x 512 tokens."""
+    from qwen import Qwen, QwenConfig
+
+    config = QwenConfig(vocab_size=32768, dim=1024, n_layers=4, n_heads=8, n_kv_heads=4, head_dim=128,
+                        n_experts=8, top_k=2, expert_hidden_dim=768, max_seq_len=512)
+    tokens, targets = _tokens(config.vocab_size, 8, 512)
+    return TpuWorkload("qwen", Qwen(config), config, (tokens,), (tokens, targets),
+                       lambda net: net(tokens, targets), _reference("qwen"))
+
+
+def resnet() -> TpuWorkload:
+    """ResNet-18's layout on 32 images of 224 x 224, 1000 classes."""
+    from resnet import RESNET_18, ResNet
+
+    config = dataclasses.replace(RESNET_18, image_size=224, num_classes=1000)
+    generator = torch.Generator().manual_seed(1)
+    images = torch.randn(32, 3, 224, 224, generator=generator)
+    labels = torch.randint(0, 1000, (32,), generator=generator)
+    return TpuWorkload("resnet", ResNet(config), config, (images,), (images, labels),
+                       lambda net: F.cross_entropy(net(images), labels), _reference("resnet"), True)
+
+
+def unet() -> TpuWorkload:
+    """The example's UNet at base width 32 on 8 images of 256 x 256, 4 classes per pixel."""
+    from unet import UNet, UNetConfig
+
+    config = UNetConfig(image_size=256, base_width=32)
+    generator = torch.Generator().manual_seed(1)
+    images = torch.randn(8, 3, 256, 256, generator=generator)
+    masks = torch.randint(0, config.num_classes, (8, 256, 256), generator=generator)
+    return TpuWorkload("unet", UNet(config), config, (images,), (images, masks),
+                       lambda net: F.cross_entropy(net(images), masks), _reference("unet"), True)
+
+
+def dlrm() -> TpuWorkload:
+    """DLRM with 8 tables of 100k rows of width 64 and MLPs of 512/256, on a batch of 2048."""
+    from dlrm import DLRM, DLRMConfig, make_batch
+
+    config = DLRMConfig(table_sizes=(100_000,) * 8, embedding_dim=64, bottom_mlp=(512, 256), top_mlp=(512, 256),
+                        max_bag_size=8)
+    dense, indices, offsets, labels = make_batch(config, 2048, torch.Generator().manual_seed(1))
+    return TpuWorkload("dlrm", DLRM(config), config, (dense, indices, offsets), (dense, indices, offsets, labels),
+                       lambda net: F.binary_cross_entropy_with_logits(net(dense, indices, offsets), labels),
+                       _reference("dlrm"), True)
+
+
+_BUILDERS: dict[str, Callable[[], TpuWorkload]] = {
+    "gpt": gpt, "llama": llama, "qwen": qwen, "resnet": resnet, "unet": unet, "dlrm": dlrm,
+}
+NAMES = tuple(_BUILDERS)
