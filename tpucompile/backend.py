@@ -43,7 +43,7 @@ def tpucompile_backend(
     index = next(_graph_counter)
     dump.start_from_environment()
     record_graph(f"graph {index}", "fx", gm)
-    if rewrite_attention(gm):
+    if rewrite_attention(gm, kernel=_attention_kernel_wanted(config)):
         record_graph(f"graph {index}", "fx_rewrite_attention", gm)
     if rewrite_interpolation(gm):
         record_graph(f"graph {index}", "fx_rewrite_interpolation", gm)
@@ -97,3 +97,16 @@ def _compile_only_when_meta(config: Options, gm: torch.fx.GraphModule, example_i
 def _input_name(gm: torch.fx.GraphModule, index: int) -> str:
     names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
     return repr(names[index]) if index < len(names) else str(index)
+
+
+def _attention_kernel_wanted(config: Options) -> bool:
+    """Whether attention goes to its kernel op (``config.attention``): in "auto", where a TPU compiles it."""
+    if config.attention != "auto":
+        return config.attention == "kernel"
+    if config.platform == "tpu" or any(target.startswith("tpu") for target in config.targets):
+        return True
+    if config.platform is None:
+        import jax
+
+        return jax.default_backend() == "tpu"
+    return False

@@ -53,6 +53,12 @@ class Options:
     """What to do with an op or dtype tpucompile cannot lower: "eager" runs it in PyTorch between compiled
     regions (with one warning per op), "error" raises ``UnsupportedOpError``."""
 
+    attention: str = "auto"
+    """How ``scaled_dot_product_attention`` is compiled: "auto" (a flash-attention kernel where the program is
+    compiled for a TPU, by ``targets`` or on a TPU host, and the call's shapes fit it; the math form
+    elsewhere), "kernel" (the kernel's op wherever shapes fit; platforms without the kernel lower it to the
+    math form, recomputing the scores in the backward), or "math" (always the math form)."""
+
     host_kernels: str = "auto"
     """Which matrix products and f32 convolutions of CPU programs call the host BLAS kernels instead of XLA's
     own: "auto" (each op where it was measured faster on this machine), "on" (every op they take), "off"."""
@@ -157,7 +163,10 @@ CACHE_MODES = ("read-write", "read-only", "off", "strict")
 """The values of ``cache_mode`` (the persistent cache enforces them too)."""
 HOST_KERNEL_MODES = ("auto", "on", "off")
 """The values of ``host_kernels``."""
-_CHOICES = {"fallback": ("eager", "error"), "host_kernels": HOST_KERNEL_MODES, "cache_mode": CACHE_MODES}
+ATTENTION_MODES = ("auto", "kernel", "math")
+"""The values of ``attention``."""
+_CHOICES = {"fallback": ("eager", "error"), "attention": ATTENTION_MODES, "host_kernels": HOST_KERNEL_MODES,
+            "cache_mode": CACHE_MODES}
 
 _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
                "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}

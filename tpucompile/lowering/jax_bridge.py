@@ -50,9 +50,12 @@ class _Key:
     params: Hashable
     operands: tuple[TensorSpec, ...]
     platform: str
+    x64: bool = True
 
     def digest(self) -> str:
         text = f"{self.name}|{self.params!r}|{[str(s) for s in self.operands]}|{self.platform}"
+        if not self.x64:
+            text += "|x32"
         return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
@@ -64,13 +67,16 @@ def call(
     *,
     params: Hashable = (),
     platform: str | None = None,
+    x64: bool = True,
 ) -> list[ir.Value]:
     """``fn(*operands)`` as a call to a private function lowered from jax; returns its results.
 
     ``name`` and ``params`` must determine ``fn`` completely (they key the memo). ``fn`` takes and returns
-    jax arrays (a single array or a tuple); its results must have exactly ``result_specs``.
+    jax arrays (a single array or a tuple); its results must have exactly ``result_specs``. ``x64=False``
+    lowers with jax's 32-bit default types, for functions that take no 64-bit operands and cannot be traced
+    with 64-bit indices (Pallas kernels).
     """
-    key = _Key(name, params, tuple(spec_of(v) for v in operands), platform or _default_platform())
+    key = _Key(name, params, tuple(spec_of(v) for v in operands), platform or _default_platform(), x64)
     text = _lowered_text(key, fn)
     callee = _splice(key, text)
     got = [_spec_of_type(t) for t in callee.type.results]
@@ -104,6 +110,12 @@ def holds_jax_lowerings(module: ir.Module) -> bool:
 def lowerings_done() -> int:
     """How many times jax has been asked to lower a function in this process (tests check the memo with it)."""
     return _lowerings
+
+
+def current_platform() -> str:
+    """The platform jax functions are lowered for here and now (rules whose jax function differs per
+    platform choose with it)."""
+    return _default_platform()
 
 
 def _default_platform() -> str:
@@ -141,7 +153,7 @@ def _lower(key: _Key, fn: Callable[..., object]) -> str:
 
     structs = [jax.ShapeDtypeStruct(s.shape, _jax_dtype(s.dtype)) for s in key.operands]
     try:
-        with jax.enable_x64(True):
+        with jax.enable_x64(key.x64):
             lowered = jax.jit(fn, keep_unused=True).trace(*structs).lower(lowering_platforms=(key.platform,))
             text = lowered.as_text()
     except Exception as error:

@@ -2,6 +2,7 @@
 
 from tpucompile.lowering.rules import (  # noqa: F401
     assertions,
+    attention,
     batch_norm,
     conversions,
     convolution,

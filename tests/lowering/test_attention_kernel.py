@@ -1,0 +1,100 @@
+"""Attention through ``tpucompile::attention`` (the op a TPU compiles to jax's Pallas flash-attention kernel):
+the op's choice, its math lowering against eager (forward and backward), the kernel's numerics in Pallas'
+interpret mode against the math form, and the kernel in the programs compiled for a TPU target."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.support import assert_compiles_like_eager
+from tpucompile import driver
+
+KERNEL_OPS = {torch.ops.tpucompile.attention.default, torch.ops.tpucompile.attention_backward.default}
+needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                                  reason='libtpu is not installed (pip install "tpucompile[tpu]")')
+
+
+def _qkv(dtype, heads=4, kv_heads=4, length=256, head_dim=128, batch=2):
+    generator = torch.Generator().manual_seed(0)
+    shapes = [(batch, heads, length, head_dim)] + [(batch, kv_heads, length, head_dim)] * 2
+    return [torch.randn(s, generator=generator).to(dtype) for s in shapes]
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_kernel_op_lowers_to_the_math_form_off_tpu_and_matches_eager(aten_ops, causal, dtype):
+    """``attention="kernel"`` on the CPU: the op pair reaches the lowering (its math form there, scores
+    recomputed in the backward from the saved log-sum-exp), and values and gradients equal eager's."""
+    tolerance = {"atol": 2e-2, "rtol": 2e-2} if dtype is torch.bfloat16 else {"atol": 1e-4, "rtol": 1e-4}
+    assert_compiles_like_eager(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
+                               *_qkv(dtype), grad=True, attention="kernel", **tolerance)
+    assert aten_ops >= KERNEL_OPS
+
+
+def test_grouped_query_attention_goes_through_the_kernel_op(aten_ops):
+    q, k, v = _qkv(torch.float32, heads=8, kv_heads=2, length=128)
+    assert_compiles_like_eager(
+        lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, scale=0.3),
+        q, k, v, grad=True, attention="kernel", atol=1e-4, rtol=1e-4)
+    assert aten_ops >= KERNEL_OPS
+
+
+@pytest.mark.parametrize("case", ["head-64", "length-200", "mask", "dropout-free-math-mode"])
+def test_calls_the_kernel_does_not_take_keep_the_math_form(aten_ops, case):
+    q, k, v = _qkv(torch.float32, head_dim=64) if case == "head-64" else _qkv(
+        torch.float32, length=200 if case == "length-200" else 128)
+    mask = torch.rand(q.shape[-2], k.shape[-2]) > 0.3 if case == "mask" else None
+    mode = "math" if case == "dropout-free-math-mode" else "kernel"
+    assert_compiles_like_eager(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask),
+                               q, k, v, grad=True, attention=mode, atol=1e-4, rtol=1e-4)
+    assert not KERNEL_OPS & aten_ops
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_flash_kernel_in_interpret_mode_equals_the_math_form(causal):
+    """The TPU lowering's jax functions (the Pallas kernel's forward with its residuals folded into ``lse``, and
+    its two backward passes fed ``m = lse, l = 1``) run by Pallas' TPU interpreter on the CPU."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental.pallas import tpu as pltpu
+
+    from tpucompile.lowering.rules import attention
+
+    keys = jax.random.split(jax.random.PRNGKey(0), 4)
+    grad_out, query, key, value = (jax.random.normal(k, (1, 2, 256, 128), jnp.float32) for k in keys)
+    scale = 0.1
+    with pltpu.force_tpu_interpret_mode():
+        out, lse = jax.jit(lambda q, k, v: attention.flash_forward(q, k, v, causal=causal, scale=scale))(
+            query, key, value)
+        grads = jax.jit(lambda *a: attention.flash_backward(*a, causal=causal, scale=scale))(
+            grad_out, query, key, value, out, lse)
+    expected_out, expected_lse = attention.math_forward(query, key, value, causal=causal, scale=scale)
+    expected_grads = attention.math_backward(grad_out, query, key, value, expected_out, expected_lse,
+                                             causal=causal, scale=scale)
+    for got, expected in zip([out, lse, *grads], [expected_out, expected_lse, *expected_grads], strict=True):
+        assert float(jnp.max(jnp.abs(got - expected))) < 1e-4
+
+
+@needs_libtpu
+@pytest.mark.parametrize("mode", ["auto", "math"])
+def test_programs_for_a_tpu_target_call_the_kernel_and_the_cpu_program_does_not(mode):
+    events = []
+    remove = driver.add_observer(events.append)
+    try:
+        q, k, v = (t.requires_grad_() for t in _qkv(torch.bfloat16, length=128))
+        fn = torch.compile(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+                           backend="tpucompile",
+                           options={"targets": ["tpu:v5e:1x1"], "attention": mode, "cache_mode": "off"})
+        fn(q, k, v).float().square().sum().backward()
+    finally:
+        remove()
+    on_tpu = [e for e in events if e.target == "tpu:v5e:1x1"]
+    on_cpu = [e for e in events if e.target is None]
+    assert len(on_tpu) == 2 and len(on_cpu) == 2, [(e.name, e.target) for e in events]
+    kernel_calls = ["tpu_custom_call" in "".join(m.to_string() for m in e.executable.hlo_modules()) for e in on_tpu]
+    assert kernel_calls == [mode == "auto"] * 2
+    assert not any("tpu_custom_call" in e.program.text() for e in on_cpu)
