@@ -81,6 +81,7 @@ class Row:
     saved_activation_bytes: int = 0
     saved_weight_bytes: int = 0
     seconds: float = 0.0
+    error: str | None = None
 
     def totals(self) -> dict[str, Any]:
         times = [p.optimal_seconds for p in self.ours]
@@ -116,9 +117,14 @@ def ours(workload: tpu_workloads.TpuWorkload, mode: str, target: str) -> tuple[l
             workload.model.eval()
             with torch.no_grad():
                 compiled(*workload.inference_inputs)
-        else:
+        elif mode == "training":
             workload.model.train()
-            workload.loss(compiled).backward()
+            workload.loss(compiled, *workload.training_inputs).backward()
+        else:  # "step": forward and backward as one program, as JAX compiles a training step
+            workload.model.train()
+            torch.compile(_whole_step(workload), backend="tpucompile", options=options)(
+                {k: v.detach() for k, v in workload.model.named_parameters()},
+                {k: v.clone() for k, v in workload.model.named_buffers()})
     finally:
         remove()
     programs, activations, weights = [], 0, 0
@@ -143,6 +149,23 @@ def ours(workload: tpu_workloads.TpuWorkload, mode: str, target: str) -> tuple[l
     return programs, activations, weights
 
 
+def _whole_step(workload: tpu_workloads.TpuWorkload):
+    """The training step as one function of the parameters: ``torch.func.grad_and_value`` over
+    ``torch.func.functional_call``, which Dynamo captures as one graph (forward and backward together)."""
+    model = workload.model
+
+    def step(params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]
+             ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        def loss(values: dict[str, torch.Tensor], state: dict[str, torch.Tensor]) -> torch.Tensor:
+            return workload.loss(
+                lambda *args, **kwargs: torch.func.functional_call(model, (values, state), args, kwargs),
+                *workload.training_inputs)
+
+        return torch.func.grad_and_value(loss)(params, buffers)  # buffers an argument: BatchNorm updates them
+
+    return step
+
+
 def reference(workload: tpu_workloads.TpuWorkload, mode: str, device: Any) -> Program:
     """The hand-written JAX program for the workload's step, compiled for ``device``."""
     sharding = jax.sharding.SingleDeviceSharding(device)
@@ -152,6 +175,7 @@ def reference(workload: tpu_workloads.TpuWorkload, mode: str, device: Any) -> Pr
     if mode == "inference":
         def step(params, buffers, inputs):
             return module.forward({**params, **buffers}, inputs, config)
+    # "training" and "step" compare with the same program: JAX's training step is one program
 
         inputs = _struct(workload.inference_inputs, sharding)
     else:
@@ -182,8 +206,11 @@ def _struct(value: Any, sharding: Any) -> Any:
 def measure(name: str, mode: str, dtype: str, target: str, device: Any) -> Row:
     start = time.perf_counter()
     workload = tpu_workloads.build(name, _DTYPES[dtype])
-    programs, activations, weights = ours(workload, mode, target)
     ref = reference(workload, mode, device)
+    try:
+        programs, activations, weights = ours(workload, mode, target)
+    except Exception as error:  # a row that cannot be measured says why; the others still are
+        return Row(name, mode, dtype, [], ref, error=f"{type(error).__name__}: {str(error).splitlines()[0][:200]}")
     return Row(name, mode, dtype, programs, ref, activations, weights, time.perf_counter() - start)
 
 
@@ -211,6 +238,9 @@ def report(rows: list[Row], peak_flops: float | None, clock: float | None) -> st
               "est. ms ours / JAX (ratio) | est. Mcycles ours / JAX (ratio) | est. MFU ours / JAX |")
     lines = [header, "|" + "---|" * (header.count("|") - 1)]
     for row in rows:
+        if row.error is not None:
+            lines.append(f"| {row.workload} | {row.mode} | {row.dtype} | failed: {row.error} |")
+            continue
         t, r = row.totals(), row.reference
         ref_seconds = r.optimal_seconds if r.optimal_seconds and r.optimal_seconds > 0 else None
         ours_time = t["seconds"] or (t["cycles"] / clock if clock else None)
@@ -243,7 +273,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", default="tpu:v5e:1x1")
     parser.add_argument("--workloads", default=",".join(tpu_workloads.NAMES))
-    parser.add_argument("--modes", default="inference,training")
+    parser.add_argument("--modes", default="inference,training,step",
+                        help="inference; training (forward and backward programs, as torch.compile of a module "
+                             "gives them); step (one program: torch.func.grad_and_value of the loss)")
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--json", help="write the figures to this file")
     parser.add_argument("--breakdown", action="append", default=[],
@@ -270,6 +302,7 @@ def main() -> None:
         with open(args.json, "w") as stream:
             json.dump({"target": args.target, "rows": [
                 {"workload": r.workload, "mode": r.mode, "dtype": r.dtype, "seconds": round(r.seconds, 1),
+                 "error": r.error,
                  "ours": [{k: v for k, v in dataclasses.asdict(p).items() if k != "hlo"} for p in r.ours],
                  "reference": {k: v for k, v in dataclasses.asdict(r.reference).items() if k != "hlo"},
                  "saved_activation_bytes": r.saved_activation_bytes, "saved_weight_bytes": r.saved_weight_bytes}

@@ -34,8 +34,8 @@ class TpuWorkload:
     """Arguments of the model's inference call (eval mode)."""
     training_inputs: tuple
     """What the training loss reads: the inference arguments and the targets."""
-    loss: Callable[[Callable], torch.Tensor]
-    """The training loss, given the (compiled) model to call with ``training_inputs``."""
+    loss: Callable[..., torch.Tensor]
+    """The training loss: ``loss(model, *training_inputs)`` for the (compiled) model."""
     reference: ModuleType
     """The hand-written JAX model: ``forward(params, inference_inputs, config)``, ``loss(params,
     training_inputs, config)``."""
@@ -83,7 +83,7 @@ def gpt(small: bool = False) -> TpuWorkload:
     else:
         config = GPTConfig(vocab_size=32768, block_size=512, n_layer=4, n_head=8, n_embd=1024)
         idx, targets = _tokens(config.vocab_size, 8, 512)
-    return TpuWorkload("gpt", GPT(config), config, (idx,), (idx, targets), lambda net: net(idx, targets),
+    return TpuWorkload("gpt", GPT(config), config, (idx,), (idx, targets), lambda net, idx, targets: net(idx, targets),
                        _reference("mingpt"))
 
 
@@ -95,7 +95,7 @@ def llama() -> TpuWorkload:
                          max_seq_len=512)
     tokens, targets = _tokens(config.vocab_size, 8, 512)
     return TpuWorkload("llama", Llama(config), config, (tokens,), (tokens, targets),
-                       lambda net: net(tokens, targets=targets), _reference("llama"))
+                       lambda net, tokens, targets: net(tokens, targets=targets), _reference("llama"))
 
 
 def qwen() -> TpuWorkload:
@@ -106,7 +106,7 @@ def qwen() -> TpuWorkload:
                         n_experts=8, top_k=2, expert_hidden_dim=768, max_seq_len=512)
     tokens, targets = _tokens(config.vocab_size, 8, 512)
     return TpuWorkload("qwen", Qwen(config), config, (tokens,), (tokens, targets),
-                       lambda net: net(tokens, targets), _reference("qwen"))
+                       lambda net, tokens, targets: net(tokens, targets), _reference("qwen"))
 
 
 def resnet() -> TpuWorkload:
@@ -118,7 +118,7 @@ def resnet() -> TpuWorkload:
     images = torch.randn(32, 3, 224, 224, generator=generator)
     labels = torch.randint(0, 1000, (32,), generator=generator)
     return TpuWorkload("resnet", ResNet(config), config, (images,), (images, labels),
-                       lambda net: F.cross_entropy(net(images), labels), _reference("resnet"), True)
+                       lambda net, images, labels: F.cross_entropy(net(images), labels), _reference("resnet"), True)
 
 
 def unet() -> TpuWorkload:
@@ -130,7 +130,7 @@ def unet() -> TpuWorkload:
     images = torch.randn(8, 3, 256, 256, generator=generator)
     masks = torch.randint(0, config.num_classes, (8, 256, 256), generator=generator)
     return TpuWorkload("unet", UNet(config), config, (images,), (images, masks),
-                       lambda net: F.cross_entropy(net(images), masks), _reference("unet"), True)
+                       lambda net, images, masks: F.cross_entropy(net(images), masks), _reference("unet"), True)
 
 
 def dlrm() -> TpuWorkload:
@@ -141,7 +141,8 @@ def dlrm() -> TpuWorkload:
                         max_bag_size=8)
     dense, indices, offsets, labels = make_batch(config, 2048, torch.Generator().manual_seed(1))
     return TpuWorkload("dlrm", DLRM(config), config, (dense, indices, offsets), (dense, indices, offsets, labels),
-                       lambda net: F.binary_cross_entropy_with_logits(net(dense, indices, offsets), labels),
+                       lambda net, dense, indices, offsets, labels: F.binary_cross_entropy_with_logits(
+                           net(dense, indices, offsets), labels),
                        _reference("dlrm"), True)
 
 

@@ -90,9 +90,16 @@ def rewrite_attention(gm: torch.fx.GraphModule, kernel: bool = False) -> int:
     ``attention_with_kernel``; returns how many were rewritten. Each rewritten node records the choice in its
     meta (``"attention"``: ``"kernel"`` or ``"math: <why>"``), which the graph dump shows."""
     rewritten = 0
+    transformed = any(n.op == "call_function" and n.target is torch._C._functorch._grad_increment_nesting
+                      for n in gm.graph.nodes)
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target in _ATTENTION_TARGETS:
-            why_not = kernel_takes(node) if kernel else "no kernel for this target"
+            if not kernel:
+                why_not = "no kernel for this target"
+            elif transformed:  # torch.func.grad cannot differentiate a custom op's autograd formula
+                why_not = "it is inside a torch.func transform"
+            else:
+                why_not = kernel_takes(node)
             node.target = attention_with_kernel if why_not is None else scaled_dot_product_attention
             node.meta["attention"] = "kernel" if why_not is None else f"math: {why_not}"
             rewritten += 1
