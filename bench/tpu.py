@@ -31,8 +31,6 @@ import sys
 import time
 from typing import Any
 
-os.environ.setdefault("TPUCOMPILE_CACHE_MODE", "off")
-
 import jax
 import numpy as np
 import torch
