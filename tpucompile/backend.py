@@ -26,6 +26,7 @@ from tpucompile.debug import recorder as dump
 from tpucompile.driver import compile_graph, record_graph
 from tpucompile.errors import OptionsError
 from tpucompile.frontend import decomposition_table, rewrite_attention, rewrite_interpolation
+from tpucompile.runtime import get_target
 from tpucompile.sharding.binding import bind_sharding, dtensor_outputs
 
 _graph_counter = itertools.count()
@@ -105,8 +106,6 @@ def _attention_kernel_wanted(config: Options) -> bool:
         return config.attention == "kernel"
     if config.platform == "tpu" or any(target.startswith("tpu") for target in config.targets):
         return True
-    if config.platform is None:
-        import jax
-
-        return jax.default_backend() == "tpu"
+    if config.platform is None:  # through the runtime, which sets jax up before its backend starts
+        return get_target(None).platform == "tpu"
     return False
