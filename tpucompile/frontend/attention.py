@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from tpucompile import attention_ops
 from tpucompile.frontend.decompositions import scaled_dot_product_attention
+from tpucompile.frontend.transforms import runs_functorch_transform
 
 _ATTENTION_TARGETS = {
     F.scaled_dot_product_attention,
@@ -90,8 +91,7 @@ def rewrite_attention(gm: torch.fx.GraphModule, kernel: bool = False) -> int:
     ``attention_with_kernel``; returns how many were rewritten. Each rewritten node records the choice in its
     meta (``"attention"``: ``"kernel"`` or ``"math: <why>"``), which the graph dump shows."""
     rewritten = 0
-    transformed = any(n.op == "call_function" and n.target is torch._C._functorch._grad_increment_nesting
-                      for n in gm.graph.nodes)
+    transformed = runs_functorch_transform(gm)
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target in _ATTENTION_TARGETS:
             if not kernel:

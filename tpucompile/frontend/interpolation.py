@@ -32,6 +32,7 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
+from tpucompile.frontend.transforms import runs_functorch_transform
 from tpucompile.resize_scale import source_scale
 
 _MODES = {"nearest": 2, "linear": 1, "bilinear": 2, "trilinear": 3}
@@ -42,7 +43,10 @@ gradient matches both; those stay with PyTorch's decomposition."""
 
 
 def rewrite_interpolation(gm: torch.fx.GraphModule) -> int:
-    """Point every nearest or linear ``F.interpolate`` call at ``interpolate_by_products``; returns how many."""
+    """Point every nearest or linear ``F.interpolate`` call at ``interpolate_by_products``; returns how many.
+    A graph that runs a ``torch.func`` transform is left as it is (``transforms``)."""
+    if runs_functorch_transform(gm):
+        return 0
     rewritten = 0
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target is F.interpolate and _mode(node) in _MODES:
