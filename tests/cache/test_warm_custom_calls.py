@@ -52,8 +52,10 @@ print(json.dumps(errors))
 
 
 def _run_ops(cache_dir, mode: str, *args: str, **settings: str) -> dict[str, float]:
-    env = workload_env(cache_dir, TPUCOMPILE_CACHE_MODE=mode, TPUCOMPILE_FALLBACK="error", **settings)
-    done = subprocess.run([sys.executable, "-c", _OPS, *args], capture_output=True, text=True, env=env, timeout=600)
+    env = workload_env(cache_dir, TPUCOMPILE_CACHE_MODE=mode, TPUCOMPILE_FALLBACK="error", PYTHONFAULTHANDLER="1",
+                       **settings)  # a crash names its frame in the failure
+    done = subprocess.run([sys.executable, "-u", "-c", _OPS, *args], capture_output=True, text=True, env=env,
+                          timeout=600)
     assert done.returncode == 0, f"exit code {done.returncode}:\n{done.stderr[-3000:]}"
     return json.loads(done.stdout.strip().splitlines()[-1])
 
