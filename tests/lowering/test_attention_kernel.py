@@ -43,10 +43,12 @@ def test_grouped_query_attention_goes_through_the_kernel_op(aten_ops):
     assert aten_ops >= KERNEL_OPS
 
 
-@pytest.mark.parametrize("case", ["head-64", "length-200", "mask", "dropout-free-math-mode"])
+@pytest.mark.parametrize("case", ["head-64", "length-200", "mask", "dropout-free-math-mode", "broadcast-heads"])
 def test_calls_the_kernel_does_not_take_keep_the_math_form(aten_ops, case):
+    """Including one key/value head broadcast over the query heads without ``enable_gqa`` (PyTorch broadcasts
+    it; only grouped-query attention is repeated into the kernel)."""
     q, k, v = _qkv(torch.float32, head_dim=64) if case == "head-64" else _qkv(
-        torch.float32, length=200 if case == "length-200" else 128)
+        torch.float32, length=200 if case == "length-200" else 128, kv_heads=1 if case == "broadcast-heads" else 4)
     mask = torch.rand(q.shape[-2], k.shape[-2]) > 0.3 if case == "mask" else None
     mode = "math" if case == "dropout-free-math-mode" else "kernel"
     assert_compiles_like_eager(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask),

@@ -14,7 +14,6 @@ log-sum-exp per row for the backward. Everywhere else that op lowers to the math
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -22,7 +21,7 @@ import torch.fx
 import torch.nn.functional as F
 
 from tpucompile import attention_ops
-from tpucompile.frontend.decompositions import scaled_dot_product_attention
+from tpucompile.frontend.decompositions import attention_scale, grouped_key_value, scaled_dot_product_attention
 from tpucompile.frontend.transforms import runs_functorch_transform
 
 _ATTENTION_TARGETS = {
@@ -47,12 +46,8 @@ def attention_with_kernel(
     enable_gqa: bool = False,
 ) -> torch.Tensor:
     """``scaled_dot_product_attention`` through ``tpucompile::attention`` (only for calls ``kernel_takes``)."""
-    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
-    if key.shape[-3] != query.shape[-3]:  # grouped-query attention: each key/value head serves a group
-        repeat = query.shape[-3] // key.shape[-3]
-        key = key.repeat_interleave(repeat, dim=-3)
-        value = value.repeat_interleave(repeat, dim=-3)
-    return attention_ops.attention(query, key, value, bool(is_causal), float(scale))[0]
+    key, value = grouped_key_value(query, key, value, enable_gqa)
+    return attention_ops.attention(query, key, value, bool(is_causal), float(attention_scale(query, scale)))[0]
 
 
 def kernel_takes(node: torch.fx.Node) -> str | None:
@@ -75,8 +70,9 @@ def kernel_takes(node: torch.fx.Node) -> str | None:
         return f"{query.dtype} is not float32 or bfloat16"
     if any(isinstance(s, torch.SymInt) for t in values for s in t.shape):
         return "its sizes are symbolic"
-    if query.shape[-3] % key.shape[-3] or key.shape[-3] != value.shape[-3]:
-        return "its heads do not group"
+    if key.shape[-3] != value.shape[-3] or (query.shape[-3] != key.shape[-3] and not (
+            bound.get("enable_gqa") is True and query.shape[-3] % key.shape[-3] == 0)):
+        return "its heads differ without grouped-query attention"
     if query.shape[-1] != key.shape[-1] or key.shape[-1] != value.shape[-1] or query.shape[-1] % KERNEL_BLOCK:
         return f"its head size is not one multiple of {KERNEL_BLOCK}"
     if query.shape[-2] % KERNEL_BLOCK or key.shape[-2] % KERNEL_BLOCK:

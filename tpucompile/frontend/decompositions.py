@@ -43,6 +43,21 @@ LOWERED_WHOLE = [
 ]
 
 
+def attention_scale(query: torch.Tensor, scale: float | None) -> float:
+    """``scale``, or attention's default ``1 / sqrt(head_dim)``."""
+    return 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+
+
+def grouped_key_value(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, enable_gqa: bool
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """With ``enable_gqa``, key and value heads repeated so that each serves its group of query heads."""
+    if enable_gqa and key.shape[-3] != query.shape[-3]:
+        repeat = query.shape[-3] // key.shape[-3]
+        key = key.repeat_interleave(repeat, dim=-3)
+        value = value.repeat_interleave(repeat, dim=-3)
+    return key, value
+
+
 def scaled_dot_product_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -54,12 +69,8 @@ def scaled_dot_product_attention(
     enable_gqa: bool = False,
 ) -> torch.Tensor:
     """Attention as matmul → (mask) → softmax → (dropout) → matmul, which autograd differentiates."""
-    head_dim = query.shape[-1]
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-    if enable_gqa and key.shape[-3] != query.shape[-3]:
-        repeat = query.shape[-3] // key.shape[-3]
-        key = key.repeat_interleave(repeat, dim=-3)
-        value = value.repeat_interleave(repeat, dim=-3)
+    scale = attention_scale(query, scale)
+    key, value = grouped_key_value(query, key, value, enable_gqa)
     scores = torch.matmul(query, key.transpose(-2, -1)) * scale
     length_q, length_k = query.shape[-2], key.shape[-2]
     if is_causal:
