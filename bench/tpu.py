@@ -118,10 +118,10 @@ def ours(workload: tpu_workloads.TpuWorkload, mode: str, target: str) -> tuple[l
         elif mode == "training":
             workload.model.train()
             workload.loss(compiled, *workload.training_inputs).backward()
-        else:  # "step": forward and backward as one program, as JAX compiles a training step
+        else:  # "step": forward, backward and update as one program, as JAX compiles a training step
             workload.model.train()
             torch.compile(_whole_step(workload), backend="tpucompile", options=options)(
-                {k: v.detach() for k, v in workload.model.named_parameters()},
+                {k: v.detach().clone() for k, v in workload.model.named_parameters()},
                 {k: v.clone() for k, v in workload.model.named_buffers()})
     finally:
         remove()
@@ -133,58 +133,73 @@ def ours(workload: tpu_workloads.TpuWorkload, mode: str, target: str) -> tuple[l
             raise RuntimeError(f"{event.name} did not compile for {target}: {event.error}")
         role = event.name.rsplit("(", 1)[-1].rstrip(")") if "(" in event.name else event.name
         programs.append(_program(role, event.executable))
-        if role == "backward" and event.graph is not None:
-            for node in event.graph.graph.nodes:
-                value = node.meta.get("val")
-                if node.op != "placeholder" or not isinstance(value, torch.Tensor) or node.name.startswith(
-                        "tangents"):
-                    continue
-                size = value.numel() * value.element_size()
-                if node.name.startswith("primals"):
-                    weights += size
-                else:
-                    activations += size
+        saved = event.saved_for_backward()
+        if saved is not None:
+            activations += saved["activations"]
+            weights += saved["arguments"]
     return programs, activations, weights
 
 
 def _whole_step(workload: tpu_workloads.TpuWorkload):
     """The training step as one function of the parameters: ``torch.func.grad_and_value`` over
-    ``torch.func.functional_call``, which Dynamo captures as one graph (forward and backward together)."""
+    ``torch.func.functional_call``, which Dynamo captures as one graph (forward and backward together), then an
+    SGD update of the parameters in place (the step's program updates them in their own memory: donated)."""
     model = workload.model
 
-    def step(params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]
-             ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    def step(params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]) -> torch.Tensor:
         def loss(values: dict[str, torch.Tensor], state: dict[str, torch.Tensor]) -> torch.Tensor:
             return workload.loss(
                 lambda *args, **kwargs: torch.func.functional_call(model, (values, state), args, kwargs),
                 *workload.training_inputs)
 
-        return torch.func.grad_and_value(loss)(params, buffers)  # buffers an argument: BatchNorm updates them
+        grads, value = torch.func.grad_and_value(loss)(params, buffers)  # buffers an argument: BatchNorm
+        with torch.no_grad():  # updates them
+            for name, param in params.items():
+                param.sub_(grads[name], alpha=LEARNING_RATE)
+        return value
 
     return step
 
 
+LEARNING_RATE = 1e-3
+"""The step mode's SGD learning rate (on both sides; its value changes nothing measured)."""
+
+
 def reference(workload: tpu_workloads.TpuWorkload, mode: str, device: Any) -> Program:
-    """The hand-written JAX program for the workload's step, compiled for ``device``."""
+    """The hand-written JAX program for the workload's step, compiled for ``device``: the forward for
+    inference, ``jax.value_and_grad`` for training, and for the whole step that plus an SGD update with the
+    parameters (and BatchNorm's statistics) donated, as a JAX training loop jits it."""
     sharding = jax.sharding.SingleDeviceSharding(device)
     params = {name: _struct(p, sharding) for name, p in workload.model.named_parameters()}
     buffers = {name: _struct(b, sharding) for name, b in workload.model.named_buffers()}
     module, config = workload.reference, workload.config
+    donated: tuple[int, ...] = ()
     if mode == "inference":
         def step(params, buffers, inputs):
             return module.forward({**params, **buffers}, inputs, config)
-    # "training" and "step" compare with the same program: JAX's training step is one program
 
         inputs = _struct(workload.inference_inputs, sharding)
     else:
-        def step(params, buffers, inputs):
+        def gradients(params, buffers, inputs):
             def loss(params):
                 return module.loss({**params, **buffers}, inputs, config)
 
             return jax.value_and_grad(loss, has_aux=workload.reference_loss_has_buffers)(params)
 
+        if mode == "training":
+            step = gradients
+        else:
+            def step(params, buffers, inputs):
+                value, grads = gradients(params, buffers, inputs)
+                updated = jax.tree.map(lambda p, g: p - LEARNING_RATE * g, params, grads)
+                if workload.reference_loss_has_buffers:
+                    value, buffers = value
+                    return updated, buffers, value
+                return updated, value
+
+            donated = (0, 1) if workload.reference_loss_has_buffers else (0,)
         inputs = _struct(workload.training_inputs, sharding)
-    compiled = jax.jit(step).lower(params, buffers, inputs).compile()
+    compiled = jax.jit(step, donate_argnums=donated).lower(params, buffers, inputs).compile()
     return _program("jax", compiled.runtime_executable())
 
 

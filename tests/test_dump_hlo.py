@@ -74,6 +74,15 @@ def _count_ops(operation) -> int:
     return total
 
 
+def _bytes_of(spec: str) -> int:
+    """The bytes of a tensor described as ``f32[4,32]``."""
+    dtype, shape = spec.rstrip("]").split("[")
+    count = 1
+    for size in filter(None, shape.split(",")):
+        count *= int(size)
+    return count * {"f32": 4, "bf16": 2, "f16": 2, "i64": 8, "i32": 4, "i1": 1, "f64": 8}[dtype]
+
+
 def _lines_of(path: str) -> list[str]:
     with open(path) as source:
         return source.read().splitlines()
@@ -100,6 +109,11 @@ def test_one_folder_per_graph_with_every_stage(dumped):
         with jax_mlir.make_ir_context() as context:
             assert stablehlo.deserialize_portable_artifact(context, artifact).operation.verify()
     assert _info(out, 1)["inputs"][0] == "i64[4,32]" and _info(out, 0)["outputs"] == ["f32[4,32,256]"]
+    saved = _info(out, 2)["saved_for_backward"]  # what the forward hands the backward, by kind
+    backward = _info(out, 2)["inputs"]
+    assert saved["activations"] > 0 and saved["arguments"] > 0
+    assert saved["activations"] + saved["arguments"] <= sum(_bytes_of(spec) for spec in backward)
+    assert _info(out, 0)["saved_for_backward"] is None and _info(out, 1)["saved_for_backward"] is None
 
 
 def test_summary_table_on_stdout(dumped, env):

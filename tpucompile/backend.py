@@ -25,7 +25,7 @@ from tpucompile.config import Options
 from tpucompile.debug import recorder as dump
 from tpucompile.driver import compile_graph, record_graph
 from tpucompile.errors import OptionsError
-from tpucompile.frontend import decomposition_table, rewrite_attention, rewrite_interpolation
+from tpucompile.frontend import decomposition_table, mark_donatable, rewrite_attention, rewrite_interpolation
 from tpucompile.runtime import get_target
 from tpucompile.sharding.binding import bind_sharding, dtensor_outputs
 
@@ -59,6 +59,8 @@ def tpucompile_backend(
 
     def compiler(role: str) -> Callable[[torch.fx.GraphModule, list[Any]], Callable]:
         def compile_role(aten_gm: torch.fx.GraphModule, aten_inputs: list[Any]) -> Callable:
+            if config.donate:  # the plan's runner keeps the saved values as its own buffers
+                mark_donatable(aten_gm, role, saved_on_device=recorder is not None and not recorder.abandoned)
             compiled = compile_graph(aten_gm, aten_inputs, config, f"graph {index} ({role})")
             if recorder is not None:
                 recorder.record(role, aten_gm, compiled)

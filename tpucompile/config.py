@@ -59,6 +59,12 @@ class Options:
     elsewhere), "kernel" (the kernel's op wherever shapes fit; platforms without the kernel lower it to the
     math form, recomputing the scores in the backward), or "math" (always the math form)."""
 
+    donate: bool = True
+    """Let programs take over the memory of arguments nothing else reads after them: values the forward saved
+    that only the backward reads, and arguments a graph updates in place (an optimiser step, running
+    statistics), whose new values then take their memory, as ``jax.jit``'s ``donate_argnums`` does. Never a
+    tensor the user holds, never while autograd may run the backward again (``retain_graph``)."""
+
     host_kernels: str = "auto"
     """Which matrix products and f32 convolutions of CPU programs call the host BLAS kernels instead of XLA's
     own: "auto" (each op where it was measured faster on this machine), "on" (every op they take), "off"."""

@@ -74,6 +74,22 @@ class CompileEvent:
     """For a compile-only target: the graph does not fit the target's memory."""
 
 
+    def saved_for_backward(self) -> dict[str, int] | None:
+        """For a backward graph, the bytes of what its forward saved for it: ``activations`` (values the
+        forward computed, held between the two programs) and ``arguments`` (forward inputs such as weights,
+        which exist anyway); None for other graphs or without the ATen graph."""
+        if self.graph is None or not self.name.endswith("(backward)"):
+            return None
+        saved = {"activations": 0, "arguments": 0}
+        for node in self.graph.graph.nodes:
+            value = node.meta.get("val")
+            if node.op != "placeholder" or not isinstance(value, torch.Tensor) or node.name.startswith("tangents"):
+                continue
+            kind = "arguments" if node.name.startswith("primals") else "activations"
+            saved[kind] += value.numel() * value.element_size()
+        return saved
+
+
 Observer = Callable[[CompileEvent], None]
 _observers: list[Observer] = []
 
@@ -290,6 +306,7 @@ def _executable(
         program.output_plan,
         lifted_constants,
         len(program.result_specs),
+        program.input_aliases,
     )
     # Only a program that needs nothing but its arguments can be rebuilt from its key alone.
     executable.program_key = None if lifted_constants else program.cache_key

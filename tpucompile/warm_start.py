@@ -257,6 +257,7 @@ def _training_runner(
     tensors: after the backward unless the graph is retained. Saved arguments (weights) are saved as the
     tensors they are, so autograd still catches in-place changes to them before the backward; under saved
     tensor hooks (offloading, checkpointing helpers) every saved value is a tensor, for the hooks to see.
+    The backward program takes the saved device buffers over (donation) when autograd will not call it again.
     """
     returns = roles["forward"]["returns"]
     differentiable = roles["forward"]["differentiable"]
@@ -268,8 +269,7 @@ def _training_runner(
     # Compiled autograd traces the backward of Python autograd.Functions with Dynamo: the program call is
     # opaque to it, as AOTAutograd's compiled backward is (traced, its resident-buffer lookups would guard
     # on tensor ids and recompile every step).
-    run_backward = torch._dynamo.disable(lambda arguments: backward(arguments),
-                                         reason="tpucompile runs the backward program")
+    run_backward = torch._dynamo.disable(_last_reader_call(backward), reason="tpucompile runs the backward program")
 
     class CompiledGraph(torch.autograd.Function):
         @staticmethod
@@ -307,6 +307,16 @@ def _training_runner(
         return CompiledGraph.apply(*args)
 
     return run
+
+
+def _last_reader_call(backward: GraphExecutable) -> Callable[[list[Any]], list[Any]]:
+    """The backward's call: the saved device buffers are handed over to the program (donated) unless autograd
+    keeps the graph for another backward (``retain_graph``, ``create_graph``)."""
+
+    def call(arguments: list[Any]) -> list[Any]:
+        return backward.run(arguments, donate=not torch._C._autograd._get_current_graph_task_keep_graph())
+
+    return call
 
 
 def _saved_tensor_hooks_active() -> bool:

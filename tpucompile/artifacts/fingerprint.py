@@ -16,6 +16,7 @@ from torch.fx.node import _get_qualified_name
 
 from tpucompile import diagnostics
 from tpucompile.cache import canonical_json, digest
+from tpucompile.donation_marks import DONATABLE
 from tpucompile.errors import UnsupportedOpError
 from tpucompile.lowering import ShapeBindings
 
@@ -44,6 +45,8 @@ def encode_graph(gm: torch.fx.GraphModule, bindings: ShapeBindings, values: bool
         if node.op != "placeholder":
             record["args"] = encode_argument(node.args, bindings)
             record["kwargs"] = encode_argument(dict(node.kwargs), bindings)
+        elif DONATABLE in node.meta:
+            record["donatable"] = encode_argument(node.meta[DONATABLE], bindings)
         if values:
             record["val"] = _encode_val(node.meta.get("val"), bindings)
         nodes.append(record)

@@ -1,7 +1,8 @@
 """The program layer: ATen graph → lowered StableHLO, cached so that a hit skips lowering.
 
-Keyed by the graph's canonical encoding (``fingerprint``), the environment, and the source locations the
-program will carry (so a cached program never shows another file's lines). The entry holds the module's
+Keyed by the graph's canonical encoding (``fingerprint``, which holds the donation marks), the environment,
+the kinds of marked arguments the program donates, and the source locations the program will carry (so a
+cached program never shows another file's lines). The entry holds the module's
 bytecode and, as JSON, what else rebuilds the ``LoweredProgram`` (specs, input positions, output plan).
 """
 
@@ -22,6 +23,7 @@ from tpucompile.artifacts.environment import environment
 from tpucompile.artifacts.fingerprint import Uncacheable, encode_graph
 from tpucompile.cache import Entry, cache_key, digest, program_key_components
 from tpucompile.config import Options
+from tpucompile.donation_marks import SAVED_ON_DEVICE, donated_kinds
 from tpucompile.lowering import LoweredProgram, ShapeBindings, TensorSpec, jax_bridge, lower_graph
 from tpucompile.lowering.context import mlir_context
 from tpucompile.runtime import OutputSlot, Target
@@ -40,11 +42,15 @@ def lowered_program(
     from, or None when it was lowered now). ``lowered`` is the program of ``gm`` for another target, taken
     as it is when nothing in it depends on the platform."""
 
+    donate = donated_kinds(options.donate, target.compile_only, target.platform, len(target.devices),
+                           bool(gm.meta.get(SAVED_ON_DEVICE)))
+
     def lower() -> LoweredProgram:
-        if lowered is not None and not jax_bridge.holds_jax_lowerings(lowered.module):
+        if (lowered is not None and not jax_bridge.holds_jax_lowerings(lowered.module)
+                and lowered.donated_kinds == donate):
             return dataclasses.replace(lowered, cache_key=None)
         with jax_bridge.target_platform(target.platform):
-            return lower_graph(gm, bindings, verify=options.verify)
+            return lower_graph(gm, bindings, verify=options.verify, donate=donate)
 
     try:
         graph, locations = encode_graph(gm, bindings, values=True)
@@ -52,7 +58,7 @@ def lowered_program(
         log.debug("tpucompile: program cache skipped (%s)", why)
         program = lower()
         return program, digest(program.text(debug_info=False)), None
-    components = program_key_components(graph, environment(target), locations)
+    components = program_key_components(graph, environment(target), locations, sorted(donate))
     key = cache_key(components)
     found = program_from_key(key, options)
     if found is not None:
@@ -123,6 +129,8 @@ def _program_metadata(program: LoweredProgram, program_sha256: str) -> dict[str,
         "input_positions": list(program.input_positions),
         "result_specs": [spec_json(s) for s in program.result_specs],
         "output_plan": plan,
+        "input_aliases": list(program.input_aliases),
+        "donated_kinds": sorted(program.donated_kinds),
     }
 
 
@@ -139,4 +147,6 @@ def _program_from_entry(entry: Entry) -> LoweredProgram:
             OutputSlot(kind, int(index), value, tuple((int(d), int(i)) for d, i in trim))
             for kind, index, value, trim in meta["output_plan"]
         ],
+        input_aliases=[None if a is None else int(a) for a in meta.get("input_aliases", [])],
+        donated_kinds=frozenset(str(k) for k in meta.get("donated_kinds", [])),
     )

@@ -87,13 +87,17 @@ def executable_key_components(
     }
 
 
-def program_key_components(graph: str, environment: Mapping[str, Any], locations: str) -> dict[str, Any]:
-    """Components of an ATen graph → StableHLO key: the graph's canonical digest, the environment, and the
-    digest of the source locations the program carries (so a cached program never shows stale lines)."""
+def program_key_components(
+    graph: str, environment: Mapping[str, Any], locations: str, donated: Sequence[str] = ()
+) -> dict[str, Any]:
+    """Components of an ATen graph → StableHLO key: the graph's canonical digest, the environment, the
+    digest of the source locations the program carries (so a cached program never shows stale lines), and
+    the kinds of marked arguments it donates."""
     return {
         "kind": "program",
         "graph": graph,
         "locations": locations,
+        "donated": list(donated),
         **{name: environment[name] for name in ENVIRONMENT_COMPONENTS},
     }
 

@@ -137,6 +137,7 @@ class Recorder:
             "cache_tier": event.tier,
             "lowering": f"from the {event.program_tier} cache" if event.program_tier else "lowered now",
             "fallback_ops": fallback,
+            "saved_for_backward": event.saved_for_backward(),
             "source_files": files,
             "stablehlo_version": version,
             "errors": errors,

@@ -9,7 +9,8 @@ from typing import Any
 
 def format_summary(infos: list[dict[str, Any]]) -> str:
     """One row per graph: what it is, how big, what it takes and returns, its key and how it was compiled."""
-    header = ["graph", "role", "aten ops", "hlo ops", "in/out", "shapes", "key", "compile ms", "cache", "fallback"]
+    header = ["graph", "role", "aten ops", "hlo ops", "in/out", "shapes", "saved for bw", "key", "compile ms",
+              "cache", "fallback"]
     rows = [header]
     for info in infos:
         role = info["role"] + (f" {info['region']}" if info.get("region") else "")
@@ -17,10 +18,18 @@ def format_summary(infos: list[dict[str, Any]]) -> str:
         rows.append([
             str(info["graph"]), role, str(info["aten_ops"]), str(info["hlo_ops"]),
             f"{len(info['inputs'])}/{len(info['outputs'])}",
-            f"{_clip_shapes(info['inputs'])} -> {_clip_shapes(info['outputs'])}", info["key"][:12],
-            f"{info['compile_ms']:.1f}", cache, ",".join(info.get("fallback_ops") or []) or "-",
+            f"{_clip_shapes(info['inputs'])} -> {_clip_shapes(info['outputs'])}",
+            _saved(info.get("saved_for_backward")), info["key"][:12], f"{info['compile_ms']:.1f}", cache,
+            ",".join(info.get("fallback_ops") or []) or "-",
         ])
-    return "\n".join([_table(rows, {0, 2, 3, 7}), *_target_summaries(infos)])
+    return "\n".join([_table(rows, {0, 2, 3, 8}), *_target_summaries(infos)])
+
+
+def _saved(saved: dict[str, int] | None) -> str:
+    """A backward's saved values: the activations its forward computed, + the forward inputs it also reads."""
+    if not saved:
+        return "-"
+    return f"{_bytes(saved['activations'])} + {_bytes(saved['arguments'])} in"
 
 
 def _table(rows: list[list[str]], numeric: set[int]) -> str:

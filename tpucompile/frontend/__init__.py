@@ -2,11 +2,13 @@
 decomposition table AOTAutograd traces with.
 
 Anything that must see a torch-level call whole (``scaled_dot_product_attention``, ``interpolate``) is
-rewritten here; passes over the ATen graphs live in ``tpucompile.passes``.
+rewritten here, and the arguments of AOTAutograd's graphs their programs may take over are marked
+(``donation``); passes over the ATen graphs live in ``tpucompile.passes``.
 """
 
 from tpucompile.frontend.attention import rewrite_attention
 from tpucompile.frontend.decompositions import decomposition_table
+from tpucompile.frontend.donation import mark_donatable
 from tpucompile.frontend.interpolation import rewrite_interpolation
 
-__all__ = ["decomposition_table", "rewrite_attention", "rewrite_interpolation"]
+__all__ = ["decomposition_table", "mark_donatable", "rewrite_attention", "rewrite_interpolation"]

@@ -25,6 +25,7 @@ from jax.extend.mlir.dialects import func
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from tpucompile import diagnostics
+from tpucompile.donation_marks import DONATABLE, SAVED, UPDATED, kind_of
 from tpucompile.errors import LoweringError, TpuCompileError, UnsupportedOpError
 from tpucompile.lowering import builder, sharding
 from tpucompile.lowering.context import mlir_context
@@ -49,6 +50,11 @@ class LoweredProgram:
     output_plan: list[OutputSlot]
     cache_key: str | None = None
     """The key the program cache stores it under (set by the cache; None when the graph is uncacheable)."""
+    input_aliases: list[int | None] = dataclasses.field(default_factory=list)
+    """For each module argument, the result that may be written into its memory (the argument is donated:
+    gone after the call), or None; empty when nothing is donated."""
+    donated_kinds: frozenset[str] = frozenset()
+    """The kinds of marked arguments (``donation_marks``) this program was lowered to donate."""
 
     def text(self, debug_info: bool = True) -> str:
         """StableHLO text; with ``debug_info`` it carries the user's source locations."""
@@ -64,19 +70,24 @@ class LoweredProgram:
 
 
 def lower_graph(
-    gm: torch.fx.GraphModule, bindings: ShapeBindings | None = None, verify: bool = True
+    gm: torch.fx.GraphModule,
+    bindings: ShapeBindings | None = None,
+    verify: bool = True,
+    donate: frozenset[str] = frozenset(),
 ) -> LoweredProgram:
-    """Lower ``gm`` (a functional ATen graph) to StableHLO for the sizes in ``bindings``."""
+    """Lower ``gm`` (a functional ATen graph) to StableHLO for the sizes in ``bindings``; arguments marked
+    donatable with a kind in ``donate`` are donated to a result of their shape and dtype."""
     bindings = bindings or ShapeBindings()
     # AOTAutograd calls the compiler with its FakeTensorMode active; constants that rules build from real
     # tensors (``builder.dense_constant``) must not be turned into fake ones.
     with unset_fake_temporarily(), mlir_context(), ir.Location.unknown():
-        return _GraphLowering(gm, bindings).run(verify)
+        return _GraphLowering(gm, bindings, donate).run(verify)
 
 
 class _GraphLowering:
-    def __init__(self, gm: torch.fx.GraphModule, bindings: ShapeBindings) -> None:
+    def __init__(self, gm: torch.fx.GraphModule, bindings: ShapeBindings, donate: frozenset[str]) -> None:
         self.gm = gm
+        self.donate = donate
         self.bindings = ShapeBindings(dict(bindings.values))  # data-dependent sizes get bound to their bounds
         self.env: dict[torch.fx.Node, Any] = {}
         self.random: RandomStream | None = None
@@ -139,6 +150,10 @@ class _GraphLowering:
             sharding.set_shardings(main.operation, arg_dims, [len(s.shape) for s in input_specs],
                                    result_dims, [len(s.shape) for s in result_specs])
 
+        aliases = self._input_aliases(tensor_inputs, outputs, unique_results, input_specs, result_specs)
+        if any(a is not None for a in aliases):
+            set_input_aliases(main.operation, aliases)
+
         input_index = {node: k for k, (_, node) in enumerate(tensor_inputs)}
         plan = []
         for out in outputs:
@@ -159,7 +174,37 @@ class _GraphLowering:
             input_positions=[i for i, _ in tensor_inputs] + ([SEED_POSITION] if needs_seed else []),
             result_specs=result_specs,
             output_plan=plan,
+            input_aliases=aliases if any(a is not None for a in aliases) else [],
+            donated_kinds=self.donate,
         )
+
+    def _input_aliases(
+        self, tensor_inputs: list[tuple[int, torch.fx.Node]], outputs: list[Any], unique_results: list[Any],
+        input_specs: list[TensorSpec], result_specs: list[TensorSpec],
+    ) -> list[int | None]:
+        """The result each donated argument may be written into: an updated argument's new value first, then
+        each saved value to the first unclaimed result of its shape and dtype (as jax pairs ``donate_argnums``);
+        a donated argument with no such result is left alone (nothing could reuse its memory)."""
+        aliases: list[int | None] = [None] * len(input_specs)
+        if not self.donate:
+            return aliases
+        claimed: set[int] = set()
+        marks = [(k, kind_of(node.meta.get(DONATABLE)), node.meta.get(DONATABLE))
+                 for k, (_, node) in enumerate(tensor_inputs)]
+        for k, kind, mark in marks:
+            if kind == UPDATED and kind in self.donate and mark < len(outputs) and outputs[mark] in unique_results:
+                result = unique_results.index(outputs[mark])
+                if result not in claimed and result_specs[result] == input_specs[k]:
+                    aliases[k] = result
+                    claimed.add(result)
+        for k, kind, _ in marks:
+            if kind == SAVED and kind in self.donate:
+                result = next((r for r, spec in enumerate(result_specs)
+                               if r not in claimed and spec == input_specs[k]), None)
+                if result is not None:
+                    aliases[k] = result
+                    claimed.add(result)
+        return aliases
 
     def _argument_annotations(
         self, tensor_inputs: list[tuple[int, torch.fx.Node]], result_nodes: list[Any]
@@ -354,6 +399,19 @@ def _location(node: torch.fx.Node) -> ir.Location:
     if where is None:
         return ir.Location.name(name)
     return ir.Location.name(name, childLoc=ir.Location.file(where.file, where.line, 0))
+
+
+def set_input_aliases(main: ir.Operation, aliases: list[int | None]) -> None:
+    """Record on ``main``'s arguments which result may take each one's memory (``tf.aliasing_output``, the
+    attribute XLA reads as input/output aliasing), keeping the attributes they already have."""
+    existing = ir.ArrayAttr(main.attributes["arg_attrs"]) if "arg_attrs" in main.attributes else None
+    entries = []
+    for k, alias in enumerate(aliases):
+        attrs = {} if existing is None else {a.name: a.attr for a in ir.DictAttr(existing[k])}
+        if alias is not None:
+            attrs["tf.aliasing_output"] = ir.IntegerAttr.get(ir.IntegerType.get_signless(32), alias)
+        entries.append(ir.DictAttr.get(attrs))
+    main.attributes["arg_attrs"] = ir.ArrayAttr.get(entries)
 
 
 def _verify(module: ir.Module) -> None:

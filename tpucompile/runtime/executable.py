@@ -7,6 +7,12 @@ and in training the weights and saved activations a backward receives from its f
 results straight to another program (a training forward's saved values, which only its backward reads) can
 ask for them as device buffers (``call_keeping``): no torch tensor is made for them, and a device buffer among
 the arguments goes to the program as it is.
+
+A program may take over some arguments (donation: XLA writes a result into the argument's memory). Such a
+slot never gets a buffer some other party still reads: a device buffer is handed over only when the caller
+says it is the last reader (``run(..., donate=True)``: the backward of a graph autograd will not run again),
+else a copy; a torch tensor always crosses as a fresh import that nothing remembers, whose memory torch
+keeps (PJRT does not take memory it does not own: the program writes that result to a buffer of its own).
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from tpucompile.runtime.calling_convention import (
     draw_seed,
 )
 from tpucompile.runtime.resident import resident_buffers, shares_host_memory
-from tpucompile.runtime.transfer import to_buffer, to_tensor
+from tpucompile.runtime.transfer import copy_buffer, to_buffer, to_tensor
 
 
 class GraphExecutable:
@@ -40,6 +46,7 @@ class GraphExecutable:
         output_plan: Sequence[OutputSlot],
         constants: Sequence[torch.Tensor] = (),
         result_count: int | None = None,
+        input_aliases: Sequence[int | None] = (),
     ) -> None:
         self._boxed_call = True  # AOTAutograd passes the arguments as one list (an instance
         # attribute, so that the wrappers Dynamo puts around a backward copy it with the __dict__)
@@ -53,25 +60,32 @@ class GraphExecutable:
         self._imported: list[Any] = [None] * len(self.input_positions)
         """Per argument slot, the buffer last imported for it: what keeps it in the resident table."""
         self._shares_memory = shares_host_memory(device)
+        self.donated_slots = frozenset(slot for slot, alias in enumerate(input_aliases) if alias is not None)
+        """The argument slots the program takes over."""
         self.program_key: str | None = None
         """The program cache key this executable was built from, when it can be rebuilt from it alone."""
         self._results_in_order = self._plan == [(RESULT, i) for i in range(len(self._plan))] and (
             result_count is None or result_count == len(self.output_plan)
         )
 
-    def buffers(self, args: Sequence[Any]) -> list[Any]:
-        """Device buffers of the program's arguments, reusing those of unchanged tensors."""
+    def buffers(self, args: Sequence[Any], donate: bool = False) -> list[Any]:
+        """Device buffers of the program's arguments, reusing those of unchanged tensors; with ``donate`` the
+        device buffers among them in donated slots are handed over as they are (the caller reads them no more)."""
         if self.constants:
             args = [*args, *self.constants]
         device = self.device
         resident = self._resident
         imported = self._imported
+        donated = self.donated_slots
         buffers = []
         for slot, position in enumerate(self.input_positions):
             if position == SEED_POSITION:
                 buffers.append(to_buffer(draw_seed(), device))
                 continue
             tensor = args[position]
+            if donated and slot in donated:
+                buffers.append(self._donated_buffer(tensor, donate))
+                continue
             if not isinstance(tensor, torch.Tensor):  # a device buffer another program returned (call_keeping)
                 buffers.append(tensor)
                 continue
@@ -86,6 +100,12 @@ class GraphExecutable:
             buffers.append(buffer)
         return buffers
 
+    def _donated_buffer(self, value: Any, donate: bool) -> Any:
+        """The buffer a donated slot gets: ``value`` itself only when it is a device buffer handed over."""
+        if isinstance(value, torch.Tensor):
+            return to_buffer(value, self.device)
+        return value if donate else copy_buffer(value, self.device)
+
     def _exported(self, result: Any) -> torch.Tensor:
         """A program result as a torch tensor, remembered so that passing it back in costs no import."""
         tensor = to_tensor(result)
@@ -94,6 +114,11 @@ class GraphExecutable:
 
     def __call__(self, args: list[Any]) -> list[Any]:
         return self._outputs(self.loaded.execute(self.buffers(args)), args, len(self.output_plan))
+
+    def run(self, args: list[Any], donate: bool) -> list[Any]:
+        """A call whose caller says whether the device buffers among ``args`` are read by nothing after it
+        (``donate``), so that donated slots may take them over."""
+        return self._outputs(self.loaded.execute(self.buffers(args, donate)), args, len(self.output_plan))
 
     def call_keeping(self, args: list[Any], first_kept: int) -> list[Any]:
         """Like a call, but the outputs from position ``first_kept`` on that are program results come back as

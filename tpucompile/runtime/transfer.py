@@ -41,3 +41,9 @@ def _as_numpy(tensor: torch.Tensor) -> object:
 def to_tensor(buffer: object) -> torch.Tensor:
     """A torch tensor sharing ``buffer``'s memory (it keeps the buffer alive)."""
     return _capsule_to_tensor(_export_dlpack(buffer))
+
+
+def copy_buffer(buffer: object, device: object) -> object:
+    """A copy of a device buffer on ``device`` that shares no memory with it (for a program that will take
+    the copy over)."""
+    return jax.device_put(buffer, device, may_alias=False)

@@ -290,7 +290,9 @@ def time_both(xla_program: str, host_program: str, target: Any) -> tuple[list[fl
     """Seconds per call of the two programs on ``target``, one figure per round, timed in alternating rounds
     on the same random inputs."""
     options = compile_options(target)
-    programs = [target.client.compile_and_load(p, target.device_list(), options) for p in (xla_program, host_program)]
+    # Each program runs many times on the same inputs, so none may take them over.
+    programs = [target.client.compile_and_load(_without_donation(p), target.device_list(), options)
+                for p in (xla_program, host_program)]
     for program in programs:  # LAPACK and friends set up, as for any program about to run
         make_ready(program, target.platform)
     with context():
@@ -316,6 +318,19 @@ def time_both(xla_program: str, host_program: str, target: Any) -> tuple[list[fl
                     break
             samples[index].append(elapsed / calls)
     return samples[0], samples[1]
+
+
+def _without_donation(program: str) -> str:
+    """``program`` with no argument donated to a result (the input/output aliasing attributes dropped)."""
+    with context():
+        module = ir.Module.parse(program)
+        for op in module.body.operations:
+            if "arg_attrs" not in op.attributes:
+                continue
+            entries = [{a.name: a.attr for a in ir.DictAttr(e) if a.name != "tf.aliasing_output"}
+                       for e in ir.ArrayAttr(op.attributes["arg_attrs"])]
+            op.attributes["arg_attrs"] = ir.ArrayAttr.get([ir.DictAttr.get(e) for e in entries])
+        return str(module)
 
 
 def _run(program: Any, inputs: list[Any]) -> None:
