@@ -70,7 +70,9 @@ def tpucompile_backend(
 
     # Effect tokens (e.g. the error checks around linalg ops) stay inside the graphs instead of becoming
     # runtime inputs that AOTAutograd passes as None.
-    with torch._functorch.config.patch(unlift_effect_tokens=True):
+    # The partition's activation budget is this compile's, not the process's (the option is in the plan key).
+    with torch._functorch.config.patch(unlift_effect_tokens=True,
+                                       activation_memory_budget=config.activation_memory_budget):
         compiled = dtensor_outputs(config, aot_autograd(
             fw_compiler=compiler("forward"),
             bw_compiler=compiler("backward"),

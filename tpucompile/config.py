@@ -65,6 +65,13 @@ class Options:
     statistics), whose new values then take their memory, as ``jax.jit``'s ``donate_argnums`` does. Never a
     tensor the user holds, never while autograd may run the backward again (``retain_graph``)."""
 
+    activation_memory_budget: float = 1.0
+    """What the forward of a training graph may save for its backward, as a fraction of what the min-cut
+    partition saves when it recomputes nothing costly (AOTAutograd's ``activation_memory_budget``): below 1,
+    the backward recomputes more (matrix products too) to hold less between the two programs. 1 saves the
+    least memory traffic; on a TPU target 0.5 roughly halves the saved bytes of a GPT block for about 10% more
+    flops and bytes (``docs/benchmarks.md``)."""
+
     host_kernels: str = "auto"
     """Which matrix products and f32 convolutions of CPU programs call the host BLAS kernels instead of XLA's
     own: "auto" (each op where it was measured faster on this machine), "on" (every op they take), "off"."""
@@ -197,6 +204,12 @@ def _check_type(name: str, value: Any, annotation: str) -> Any:
         raise OptionsError(f"tpucompile option {name!r} must be a bool, got {value!r}")
     if annotation == "int" and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
         raise OptionsError(f"tpucompile option {name!r} must be a non-negative int, got {value!r}")
+    if annotation == "float":
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise OptionsError(f"tpucompile option {name!r} must be a number, got {value!r}")
+        value = float(value)
+        if name == "activation_memory_budget" and not 0.0 <= value <= 1.0:
+            raise OptionsError(f"tpucompile option {name!r} must be between 0 and 1, got {value!r}")
     if annotation == "str | None" and value is not None and not isinstance(value, str):
         raise OptionsError(f"tpucompile option {name!r} must be a string, got {value!r}")
     if annotation == "int | None" and value is not None and (
@@ -233,4 +246,9 @@ def _parse_env(name: str, raw: str, annotation: str) -> Any:
             return _check_type(name, int(raw), annotation)
         except ValueError:
             raise OptionsError(f"{var}={raw!r} is not an integer") from None
+    if annotation == "float":
+        try:
+            return _check_type(name, float(raw), annotation)
+        except ValueError:
+            raise OptionsError(f"{var}={raw!r} is not a number") from None
     return _check_type(name, raw, annotation)
