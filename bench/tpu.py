@@ -102,13 +102,14 @@ def _program(role: str, executable: Any) -> Program:
                    report["memory"], cycles, hlo)
 
 
-def ours(workload: tpu_workloads.TpuWorkload, mode: str, target: str) -> tuple[list[Program], int, int]:
-    """tpucompile's programs for the workload's step, compiled for ``target`` only, and the bytes its backward
-    receives from its forward (activations, weights)."""
+def ours(workload: tpu_workloads.TpuWorkload, mode: str, target: str, extra: dict[str, Any] | None = None
+         ) -> tuple[list[Program], int, int]:
+    """tpucompile's programs for the workload's step, compiled for ``target`` only (with the ``extra``
+    options), and the bytes its backward receives from its forward (activations, weights)."""
     events: list[driver.CompileEvent] = []
     remove = driver.add_observer(events.append)
     torch._dynamo.reset()
-    options = {"targets": [target], "compile_only": True, "cache_mode": "off"}
+    options = {"targets": [target], "compile_only": True, "cache_mode": "off", **(extra or {})}
     compiled = torch.compile(workload.model, backend="tpucompile", options=options)
     try:
         if mode == "inference":
@@ -216,12 +217,12 @@ def _struct(value: Any, sharding: Any) -> Any:
     return value
 
 
-def measure(name: str, mode: str, dtype: str, target: str, device: Any) -> Row:
+def measure(name: str, mode: str, dtype: str, target: str, device: Any, extra: dict[str, Any] | None = None) -> Row:
     start = time.perf_counter()
     workload = tpu_workloads.build(name, _DTYPES[dtype])
     ref = reference(workload, mode, device)
     try:
-        programs, activations, weights = ours(workload, mode, target)
+        programs, activations, weights = ours(workload, mode, target, extra)
     except Exception as error:  # a row that cannot be measured says why; the others still are
         return Row(name, mode, dtype, [], ref, error=f"{type(error).__name__}: {str(error).splitlines()[0][:200]}")
     return Row(name, mode, dtype, programs, ref, activations, weights, time.perf_counter() - start)
@@ -282,6 +283,14 @@ def breakdown(row: Row, top: int) -> str:
     return "\n".join(parts)
 
 
+def _option(text: str) -> tuple[str, Any]:
+    name, _, value = text.partition("=")
+    try:
+        return name.strip(), json.loads(value)
+    except json.JSONDecodeError:
+        return name.strip(), value
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", default="tpu:v5e:1x1")
@@ -294,7 +303,11 @@ def main() -> None:
     parser.add_argument("--breakdown", action="append", default=[],
                         help="workload:mode:dtype whose programs to break down by bytes (repeatable)")
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
+                        help="a tpucompile option for our side, e.g. activation_memory_budget=0.5 (repeatable; "
+                             "the value is read as JSON, else as a string)")
     args = parser.parse_args()
+    extra = dict(_option(text) for text in args.option)
 
     device = compile_only_target(args.target).devices[0]
     peak_flops = PEAK_BF16_FLOPS.get(device.device_kind)
@@ -304,8 +317,9 @@ def main() -> None:
     rows = []
     for name, mode, dtype in wanted:
         print(f"{name} {mode} {dtype} ...", file=sys.stderr, flush=True)
-        rows.append(measure(name, mode, dtype, args.target, device))
-    print(f"## {args.target} ({device.device_kind}), jax {jax.__version__}, torch {torch.__version__}\n")
+        rows.append(measure(name, mode, dtype, args.target, device, extra))
+    print(f"## {args.target} ({device.device_kind}), jax {jax.__version__}, torch {torch.__version__}"
+          + (f", options {extra}" if extra else "") + "\n")
     print(report(rows, peak_flops, CLOCK_HZ.get(device.device_kind)))
     for spec in args.breakdown:
         row = next(r for r in rows if (r.workload, r.mode, r.dtype) == tuple(spec.split(":")))
