@@ -182,28 +182,34 @@ class _GraphLowering:
         self, tensor_inputs: list[tuple[int, torch.fx.Node]], outputs: list[Any], unique_results: list[Any],
         input_specs: list[TensorSpec], result_specs: list[TensorSpec],
     ) -> list[int | None]:
-        """The result each donated argument may be written into: an updated argument's new value first, then
-        each saved value to the first unclaimed result of its shape and dtype (as jax pairs ``donate_argnums``);
-        a donated argument with no such result is left alone (nothing could reuse its memory)."""
+        """The result each donated argument may be written into: an updated argument's new value, and for a
+        saved value the first unclaimed result of its shape and dtype that the graph computes after the
+        value's last read (as jax pairs ``donate_argnums`` by shape; a result born while the value is still
+        read would make XLA copy the value first, trading memory traffic for nothing). A donated argument with
+        no such result is left alone: nothing could reuse its memory."""
         aliases: list[int | None] = [None] * len(input_specs)
         if not self.donate:
             return aliases
+        order = {node: index for index, node in enumerate(self.gm.graph.nodes)}
         claimed: set[int] = set()
-        marks = [(k, kind_of(node.meta.get(DONATABLE)), node.meta.get(DONATABLE))
+        marks = [(k, node, kind_of(node.meta.get(DONATABLE)), node.meta.get(DONATABLE))
                  for k, (_, node) in enumerate(tensor_inputs)]
-        for k, kind, mark in marks:
+        for k, _, kind, mark in marks:
             if kind == UPDATED and kind in self.donate and mark < len(outputs) and outputs[mark] in unique_results:
                 result = unique_results.index(outputs[mark])
                 if result not in claimed and result_specs[result] == input_specs[k]:
                     aliases[k] = result
                     claimed.add(result)
-        for k, kind, _ in marks:
-            if kind == SAVED and kind in self.donate:
-                result = next((r for r, spec in enumerate(result_specs)
-                               if r not in claimed and spec == input_specs[k]), None)
-                if result is not None:
-                    aliases[k] = result
-                    claimed.add(result)
+        for k, node, kind, _ in marks:
+            if kind != SAVED or kind not in self.donate:
+                continue
+            last_read = max((order[user] for user in node.users if user.op != "output"), default=-1)
+            result = next((r for r, result_node in enumerate(unique_results)
+                           if r not in claimed and result_specs[r] == input_specs[k]
+                           and order[result_node] > last_read), None)
+            if result is not None:
+                aliases[k] = result
+                claimed.add(result)
         return aliases
 
     def _argument_annotations(
