@@ -151,67 +151,82 @@ def test_donation_off_gives_the_same_gradients_and_donates_nothing():
 
 
 def _sgd_step(model: torch.nn.Module):
-    def step(params, x):
+    """A whole training step: gradients by ``torch.func``, then SGD with momentum, parameters and momentum
+    updated in place."""
+
+    def step(params, momentum, x):
         def loss(values):
             return torch.func.functional_call(model, values, (x,)).square().mean()
 
         grads, value = torch.func.grad_and_value(loss)(params)
         with torch.no_grad():
             for name, param in params.items():
-                param.sub_(grads[name], alpha=0.1)
+                momentum[name].mul_(0.9).add_(grads[name])
+                param.sub_(momentum[name], alpha=0.1)
         return value
 
     return step
 
 
+def _state(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    return params, {k: torch.zeros_like(v) for k, v in params.items()}
+
+
+def _copy(state: tuple[dict[str, torch.Tensor], ...]) -> tuple[dict[str, torch.Tensor], ...]:
+    return tuple({k: v.clone() for k, v in values.items()} for values in state)
+
+
 def test_an_in_place_step_on_the_cpu_never_donates_the_users_tensors():
     model = _mlp()
-    params = {k: v.detach().clone() for k, v in model.named_parameters()}
-    expected = {k: v.clone() for k, v in params.items()}
+    state = _state(model)
+    expected = _copy(state)
     x = torch.randn(16, 16)
     step = torch.compile(_sgd_step(model), backend="tpucompile", options={"cache_mode": "off"})
-    held = dict(params)  # the caller's references to the same tensors
+    held = [dict(values) for values in state]  # the caller's references to the same tensors
     for _ in range(3):
-        loss = step(params, x)
-        want = _sgd_step(model)(expected, x)
+        loss = step(*state, x)
+        want = _sgd_step(model)(*expected, x)
         torch.testing.assert_close(loss, want)
-    for name in params:
-        assert held[name] is params[name]
-        torch.testing.assert_close(params[name], expected[name])
+    for values, references, wanted in zip(state, held, expected, strict=True):
+        for name in values:
+            assert references[name] is values[name]
+            torch.testing.assert_close(values[name], wanted[name])
     assert not driver.recent_executables()[-1].donated_slots
 
 
 @needs_libtpu
 def test_a_step_compiled_for_a_tpu_updates_its_parameters_in_their_memory():
-    """For a TPU target each of the step's parameters is donated to its new value (the compiler reports the
-    aliased bytes, in its padded layouts), and with ``donate=False`` none is; the step still runs here, equal
-    to eager."""
+    """For a TPU target each of the step's parameters and momentum buffers is donated to its new value (the
+    compiler reports the aliased bytes, in its padded layouts), and with ``donate=False`` none is; the step
+    still runs here, equal to eager."""
     model = _mlp()
     x = torch.randn(16, 16)
-    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    state_bytes = 2 * sum(p.numel() * p.element_size() for p in model.parameters())
     aliased, donated = {}, {}
     for donate in (True, False):
         torch._dynamo.reset()
         events: list = []
         remove = driver.add_observer(events.append)
-        params = {k: v.detach().clone() for k, v in model.named_parameters()}
-        expected = {k: v.clone() for k, v in params.items()}
+        state = _state(model)
+        expected = _copy(state)
         try:
             step = torch.compile(_sgd_step(model), backend="tpucompile",
                                  options={"targets": ["tpu:v5e:1x1"], "cache_mode": "off", "donate": donate})
-            torch.testing.assert_close(step(params, x), _sgd_step(model)(expected, x))
+            torch.testing.assert_close(step(*state, x), _sgd_step(model)(*expected, x))
         finally:
             remove()
-        for name in params:
-            torch.testing.assert_close(params[name], expected[name])
+        for values, wanted in zip(state, expected, strict=True):
+            for name in values:
+                torch.testing.assert_close(values[name], wanted[name])
         (target,) = [e for e in events if e.target is not None]
         assert target.error is None, target.error
         aliased[donate] = target.report["memory"]["alias"]
         donated[donate] = sum(a is not None for a in target.program.input_aliases)
         (runtime,) = [e for e in events if e.target is None]
         assert not runtime.program.input_aliases, "the CPU program took over torch's memory"
-    assert donated == {True: len(params), False: 0}
-    assert aliased[True] >= param_bytes and aliased[False] == 0
+    assert donated == {True: 2 * len(state[0]), False: 0}
+    assert aliased[True] >= state_bytes and aliased[False] == 0
 
 
 def _graph_with_marks(marks: dict[str, object]) -> torch.fx.GraphModule:
