@@ -11,8 +11,8 @@ the arguments goes to the program as it is.
 A program may take over some arguments (donation: XLA writes a result into the argument's memory). Such a
 slot never gets a buffer some other party still reads: a device buffer is handed over only when the caller
 says it is the last reader (``run(..., donate=True)``: the backward of a graph autograd will not run again),
-else a copy; a torch tensor always crosses as a fresh import that nothing remembers, whose memory torch
-keeps (PJRT does not take memory it does not own: the program writes that result to a buffer of its own).
+else a copy; a torch tensor crosses as a copy of the runtime's own that nothing remembers (an import without
+a copy would hand the program torch's memory).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from tpucompile.runtime.calling_convention import (
     draw_seed,
 )
 from tpucompile.runtime.resident import resident_buffers, shares_host_memory
-from tpucompile.runtime.transfer import copy_buffer, to_buffer, to_tensor
+from tpucompile.runtime.transfer import copy_buffer, shares_tensor_memory, to_buffer, to_tensor
 
 
 class GraphExecutable:
@@ -101,9 +101,12 @@ class GraphExecutable:
         return buffers
 
     def _donated_buffer(self, value: Any, donate: bool) -> Any:
-        """The buffer a donated slot gets: ``value`` itself only when it is a device buffer handed over."""
+        """The buffer a donated slot gets: ``value`` itself only when it is a device buffer handed over, else
+        a buffer of the runtime's own (a tensor imported without a copy shares torch's memory, which a program
+        must never write)."""
         if isinstance(value, torch.Tensor):
-            return to_buffer(value, self.device)
+            buffer = to_buffer(value, self.device)
+            return copy_buffer(buffer, self.device) if shares_tensor_memory(value, self.device) else buffer
         return value if donate else copy_buffer(value, self.device)
 
     def _exported(self, result: Any) -> torch.Tensor:

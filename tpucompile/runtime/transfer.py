@@ -21,11 +21,16 @@ _capsule_to_tensor = torch.utils.dlpack.from_dlpack
 _tensor_to_capsule = getattr(torch._C, "_to_dlpack", None) or (lambda tensor: tensor.detach().__dlpack__())
 
 
+def shares_tensor_memory(tensor: torch.Tensor, device: object) -> bool:
+    """Whether ``to_buffer(tensor, device)`` gives a buffer over the tensor's own memory (DLPack, no copy)."""
+    return not (tensor.is_cpu and device.platform != "cpu")
+
+
 def to_buffer(tensor: torch.Tensor, device: object) -> object:
     """A PJRT buffer holding ``tensor``'s values on ``device`` (zero-copy when the memory is shared)."""
     if not tensor.is_contiguous():
         tensor = tensor.contiguous()
-    if tensor.is_cpu and device.platform != "cpu":
+    if not shares_tensor_memory(tensor, device):
         return jax.device_put(_as_numpy(tensor.detach()), device)
     return _import_dlpack(_tensor_to_capsule(tensor), device, None)
 
