@@ -296,13 +296,15 @@ def time_both(xla_program: str, host_program: str, target: Any) -> tuple[list[fl
     for program in programs:  # LAPACK and friends set up, as for any program about to run
         make_ready(program, target.platform)
     with context():
-        (function,) = [op for op in ir.Module.parse(xla_program).body.operations
+        module = ir.Module.parse(xla_program)  # held: its operations are freed with it
+        (function,) = [op for op in module.body.operations
                        if ir.StringAttr(op.attributes["sym_name"]).value == "main"]
         types = [ir.RankedTensorType(t) for t in ir.TypeAttr(function.attributes["function_type"]).value.inputs]
+        shapes = [(list(t.shape), str(t.element_type)) for t in types]
     # Real tensors, also while a compile traces with fake ones (Dynamo's and AOTAutograd's fake tensor mode).
     with unset_fake_temporarily():
         generator = torch.Generator().manual_seed(0)
-        tensors = [_example(list(t.shape), str(t.element_type), generator) for t in types]
+        tensors = [_example(shape, element_type, generator) for shape, element_type in shapes]
         inputs = [to_buffer(tensor, target.device) for tensor in tensors]  # sharing the tensors' memory
     samples: list[list[float]] = [[], []]
     for program in programs:  # a first untimed call of each
