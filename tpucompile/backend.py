@@ -25,7 +25,13 @@ from tpucompile.config import Options
 from tpucompile.debug import recorder as dump
 from tpucompile.driver import compile_graph, record_graph
 from tpucompile.errors import OptionsError
-from tpucompile.frontend import decomposition_table, mark_donatable, rewrite_attention, rewrite_interpolation
+from tpucompile.frontend import (
+    decomposition_table,
+    mark_donatable,
+    rewrite_attention,
+    rewrite_interpolation,
+    traced_like_real_tensors,
+)
 from tpucompile.runtime import get_target
 from tpucompile.sharding.binding import bind_sharding, dtensor_outputs
 
@@ -72,7 +78,8 @@ def tpucompile_backend(
     # runtime inputs that AOTAutograd passes as None.
     # The partition's activation budget is this compile's, not the process's (the option is in the plan key).
     with torch._functorch.config.patch(unlift_effect_tokens=True,
-                                       activation_memory_budget=config.activation_memory_budget):
+                                       activation_memory_budget=config.activation_memory_budget), \
+            traced_like_real_tensors(example_inputs):
         compiled = dtensor_outputs(config, aot_autograd(
             fw_compiler=compiler("forward"),
             bw_compiler=compiler("backward"),

@@ -3,12 +3,20 @@ decomposition table AOTAutograd traces with.
 
 Anything that must see a torch-level call whole (``scaled_dot_product_attention``, ``interpolate``) is
 rewritten here, and the arguments of AOTAutograd's graphs their programs may take over are marked
-(``donation``); passes over the ATen graphs live in ``tpucompile.passes``.
+(``donation``); graphs of meta tensors trace as real ones would (``meta_tracing``). Passes over the ATen
+graphs live in ``tpucompile.passes``.
 """
 
 from tpucompile.frontend.attention import rewrite_attention
 from tpucompile.frontend.decompositions import decomposition_table
 from tpucompile.frontend.donation import mark_donatable
 from tpucompile.frontend.interpolation import rewrite_interpolation
+from tpucompile.frontend.meta_tracing import traced_like_real_tensors
 
-__all__ = ["decomposition_table", "mark_donatable", "rewrite_attention", "rewrite_interpolation"]
+__all__ = [
+    "decomposition_table",
+    "mark_donatable",
+    "rewrite_attention",
+    "rewrite_interpolation",
+    "traced_like_real_tensors",
+]
