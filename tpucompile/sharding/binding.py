@@ -20,6 +20,7 @@ import torch.fx
 from tpucompile.config import Options
 from tpucompile.errors import ShardingError
 from tpucompile.runtime import get_mesh_target, initialize_distributed, process_devices
+from tpucompile.runtime.targets.compile_only import compile_targets, spanning
 from tpucompile.sharding.names import graph_activations, graph_inputs, graph_outputs
 from tpucompile.sharding.plan import Dims, Mesh, ShardPlan
 
@@ -41,12 +42,17 @@ def bind_sharding(
     plan = options.shard or ShardPlan()
     if plan.mesh is not None and plan.mesh != mesh:
         raise ShardingError(f"the sharding plan was made for {plan.mesh!r}, the 'mesh' option is {mesh!r}")
-    initialize_distributed(options.coordinator, options.num_processes, options.process_id)
-    get_mesh_target(options.platform, mesh.size, mesh.devices)  # a mesh larger than the devices fails here
-    inputs = graph_inputs(gm, example_inputs)
+    if options.compile_only:  # the mesh is the slice's, not this machine's
+        for target in compile_targets(options.targets, options.platform):
+            spanning(target, mesh.size)  # a mesh larger than the slice fails here
+    else:
+        initialize_distributed(options.coordinator, options.num_processes, options.process_id)
+        get_mesh_target(options.platform, mesh.size, mesh.devices)  # a mesh larger than the devices fails here
+    inputs = graph_inputs(gm, example_inputs)  # the attributes AOTAutograd lifts come first
+    lifted = len(inputs) - len(example_inputs)
     outputs = graph_outputs(gm)
     described = {}  # DTensors say how they are laid out themselves: the plan must not say it again
-    for index, example in dtensors.items():
+    for index, example in ((lifted + i, e) for i, e in dtensors.items()):
         for rule in plan.rules:
             if not rule.optional and rule.applies_to != "output" and fnmatch.fnmatchcase(inputs[index].name,
                                                                                           rule.pattern):
@@ -61,7 +67,7 @@ def bind_sharding(
     activations = graph_activations(gm) if any(r.applies_to == "activation" for r in plan.rules) else []
     dims = list(plan.resolve([*inputs, *outputs, *activations], mesh))
     for index, example in dtensors.items():
-        dims[index] = _placement_dims(example.placements, example.dim(), mesh, index)
+        dims[lifted + index] = _placement_dims(example.placements, example.dim(), mesh, index)
     constrained = {value.name.removesuffix(":output"): d
                    for value, d in zip(activations, dims[len(inputs) + len(outputs):], strict=True) if d is not None}
     dims = dims[:len(inputs) + len(outputs)]

@@ -5,6 +5,7 @@ module (recovered from Dynamo's source of each placeholder), arguments by their 
 from __future__ import annotations
 
 import re
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -63,9 +64,17 @@ def module_outputs(gm: torch.fx.GraphModule) -> dict[str, list[torch.fx.Node]]:
 
 
 def graph_inputs(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> list[GraphValue]:
-    """What a plan is matched against: each input of a Dynamo graph, named by where Dynamo found it."""
+    """What a plan is matched against: each input of the ATen graphs AOTAutograd makes from a Dynamo graph, in
+    their order: first the tensors the graph holds as attributes (an optimiser step's parameters and state),
+    which AOTAutograd lifts to inputs, then the graph's own inputs, named by where Dynamo found them.
+
+    A parameter is named by its path in the module it was compiled with, in whatever graph it shows up (an
+    optimiser step's too); so are its gradient and, where the graph says which parameter it belongs to, its
+    optimiser state, so that one plan lays all of them out alike."""
+    lifted = lifted_attributes(gm)
+    parameters = [tensor for _, tensor in lifted if isinstance(tensor, torch.nn.Parameter)]
+    found = [_state_value(name, tensor, parameters) for name, tensor in lifted]
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    found = []
     for index, example in enumerate(example_inputs):
         node = placeholders[index] if index < len(placeholders) else None
         source = _source_name(node)
@@ -76,9 +85,59 @@ def graph_inputs(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> lis
         is_state = isinstance(example, torch.nn.Parameter) or bool(
             source and re.search(r"\._(parameters|buffers)\[", source)
         )
+        if is_state and name == input_name(source or ""):
+            _remember(example, name)
+        name = _gradient_name(example) or name
         shape = tuple(int(s) for s in example.shape)
         found.append(GraphValue(name, shape, is_state, str(example.dtype).removeprefix("torch.")))
     return found
+
+
+def lifted_attributes(gm: torch.fx.GraphModule) -> list[tuple[str, torch.Tensor]]:
+    """The tensors ``gm`` holds as attributes, in the order AOTAutograd passes them before the graph's inputs
+    (parameters, then buffers, duplicates kept)."""
+    return [*gm.named_parameters(remove_duplicate=False), *gm.named_buffers(remove_duplicate=False)]
+
+
+_known: dict[int, tuple[weakref.ref, str]] = {}
+"""id(parameter) → (weak reference, its path in the module it was compiled with)."""
+
+
+def _remember(tensor: torch.Tensor, name: str) -> None:
+    if len(_known) > 4096:  # drop the entries of parameters that no longer exist
+        for key in [k for k, (ref, _) in _known.items() if ref() is None]:
+            del _known[key]
+    _known[id(tensor)] = (weakref.ref(tensor), name)
+
+
+def _known_name(tensor: torch.Tensor) -> str | None:
+    entry = _known.get(id(tensor))
+    return entry[1] if entry is not None and entry[0]() is tensor else None
+
+
+def _gradient_name(tensor: torch.Tensor) -> str | None:
+    """The name of the known parameter whose ``.grad`` ``tensor`` is."""
+    for ref, name in list(_known.values()):
+        parameter = ref()
+        if parameter is not None and parameter.grad is tensor:
+            return name
+    return None
+
+
+_STATE_INDEX = re.compile(r"state___(\d+)_")
+
+
+def _state_value(attribute: str, tensor: torch.Tensor, parameters: Sequence[torch.Tensor]) -> GraphValue:
+    """A lifted attribute: a known parameter by its module path; an optimiser's state (Dynamo names it after
+    its position in the optimiser's state, which follows the parameters') by its parameter's path when the
+    shapes agree; anything else by the attribute's name."""
+    name = _known_name(tensor)
+    if name is None and (match := _STATE_INDEX.search(attribute)):
+        index = int(match[1])
+        if index < len(parameters) and parameters[index].shape == tensor.shape:
+            name = _known_name(parameters[index])
+    shape = tuple(int(s) for s in tensor.shape)
+    return GraphValue(name or attribute, shape, True, str(tensor.dtype).removeprefix("torch."))
 
 
 def _source_name(node: torch.fx.Node | None) -> str | None:
