@@ -18,7 +18,7 @@ from tpucompile.errors import (
     TpuCompileWarning,
     UnsupportedOpError,
 )
-from tpucompile.sharding.plan import Mesh, ShardPlan, data_parallel, tensor_parallel
+from tpucompile.sharding.plan import Mesh, ShardPlan, data_parallel, fully_sharded, tensor_parallel
 
 __all__ = [
     "CacheMissError",
@@ -34,5 +34,6 @@ __all__ = [
     "UnsupportedOpError",
     "__version__",
     "data_parallel",
+    "fully_sharded",
     "tensor_parallel",
 ]

@@ -5,6 +5,6 @@ the way plans do, ``binding`` binds a plan to one graph and the devices present,
 graph's inputs and outputs with their shardings for the lowering.
 """
 
-from tpucompile.sharding.plan import Mesh, ShardPlan, data_parallel, tensor_parallel
+from tpucompile.sharding.plan import Mesh, ShardPlan, data_parallel, fully_sharded, tensor_parallel
 
-__all__ = ["Mesh", "ShardPlan", "data_parallel", "tensor_parallel"]
+__all__ = ["Mesh", "ShardPlan", "data_parallel", "fully_sharded", "tensor_parallel"]

@@ -2,15 +2,19 @@
 
 ``annotate_shardings`` puts a ``shard_annotation`` after every tensor placeholder (the plan's dims, or
 replicated), after each constrained submodule output, and before every output returned to the caller
-(replicated, so results come back whole, unless the plan keeps it split). The annotations are ordinary graph
-nodes, so they are part of the graph's cache key and show in dumps; lowering turns them into Shardy attributes
-and constraints.
+(replicated, so results come back whole, unless the plan keeps it split; the new value of an input updated
+in place keeps the input's layout, and under a fully sharded plan so does each gradient). The annotations are
+ordinary graph nodes, so they are part of the graph's cache key and show in dumps; lowering turns them into
+Shardy attributes and constraints.
 
 AOTAutograd names the placeholders of its graphs after Dynamo's inputs: ``argN_1`` (inference) is input N,
 ``primals_N`` (forward, and the saved inputs of a backward) is input N-1. The values a forward saves for its
 backward are left to XLA's propagation; ``record_layouts`` notes how the forward program returned each (by
 node name, which the backward's placeholders share), and the backward expects them laid out the same way, so
-they pass from one program to the other without being sent again. Gradients of the outputs are replicated.
+they pass from one program to the other without being sent again. Under a fully sharded plan they are split
+along the first dimension the data axis divides instead, in both programs: activations then take 1/N of each
+chip's memory whatever XLA would choose, and the programs do not depend on another program's compile (a
+compile-only run and a run on the slice annotate them alike). Gradients of the outputs are replicated.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import torch
 import torch.fx
 
 from tpucompile.sharding.names import module_outputs
-from tpucompile.sharding.plan import Dims, Mesh, ShardPlan, encode_sharding, shard_annotation
+from tpucompile.sharding.plan import Dims, Mesh, ShardPlan, encode_sharding, shard_annotation, spread_dims
 
 
 def annotate_shardings(gm: torch.fx.GraphModule, mesh: Mesh, plan: ShardPlan, processes: int = 1) -> None:
@@ -35,6 +39,7 @@ def annotate_shardings(gm: torch.fx.GraphModule, mesh: Mesh, plan: ShardPlan, pr
         return
     bound = plan.bound or ()
     backward = any(p.name.startswith("tangents_") for p in placeholders)
+    spread = plan.spread_axis(mesh) if processes == 1 else None
     insert_after = placeholders[-1]
     for placeholder in placeholders:
         val = placeholder.meta.get("val")
@@ -44,6 +49,8 @@ def annotate_shardings(gm: torch.fx.GraphModule, mesh: Mesh, plan: ShardPlan, pr
         if backward and not _PRIMAL.fullmatch(placeholder.name):
             saved = plan.layouts.get(placeholder.name)
             dims = saved if saved is not None and len(saved) == val.dim() else dims
+            if spread is not None and not placeholder.name.startswith("tangents_"):
+                dims = spread_dims(((),) * val.dim(), tuple(val.shape), spread, mesh)
         with graph.inserting_after(insert_after):
             node = graph.call_function(shard_annotation, (placeholder, encode_sharding(mesh.axes, dims)))
         node.meta["val"] = val
@@ -65,13 +72,17 @@ def annotate_shardings(gm: torch.fx.GraphModule, mesh: Mesh, plan: ShardPlan, pr
     single = not isinstance(results, (list, tuple))
     results = [results] if single else list(results)
     returned, first_user = (len(results), None) if backward else _output_roles(placeholders, len(results), processes)
+    updated = () if backward else _updated_inputs()
     kept = plan.bound_outputs or ()
     wrapped: dict[torch.fx.Node, torch.fx.Node] = {}
     new_results = []
     dtensors: dict[int, tuple[str, int]] = {}
     for position, result in enumerate(results):
         if position >= returned and result not in wrapped:
-            new_results.append(result)  # saved for the backward: laid out as XLA finds best
+            if spread is not None and _computed_tensor(result):  # fully sharded: activations split too
+                result = _annotated(graph, output, result, spread_dims(
+                    ((),) * result.meta["val"].dim(), tuple(result.meta["val"].shape), spread, mesh), mesh)
+            new_results.append(result)  # otherwise saved for the backward laid out as XLA finds best
             continue
         # An output of the user's (or, from a backward, the gradient of input `position`) may have dims to keep
         # and come back as a DTensor.
@@ -79,8 +90,12 @@ def annotate_shardings(gm: torch.fx.GraphModule, mesh: Mesh, plan: ShardPlan, pr
         dims = None
         if backward and ("input", position) in plan.dtensors:
             dims = bound[position]
+        elif backward and plan.splits_gradients and processes == 1 and position < len(bound):
+            dims = bound[position]  # fully sharded: the gradient is reduce-scattered, laid out as its parameter
         elif not backward and first_user is not None and 0 <= source[1] < len(kept):
             dims = kept[source[1]]
+        elif not backward and processes == 1 and position < len(updated):
+            dims = bound[updated[position]] if updated[position] < len(bound) else None  # an input's new value
         if backward and source in plan.dtensors and result is not None:
             dtensors[position] = source
         if (isinstance(result, torch.fx.Node) and result.op != "placeholder"
@@ -99,6 +114,19 @@ def annotate_shardings(gm: torch.fx.GraphModule, mesh: Mesh, plan: ShardPlan, pr
     gm.recompile()
 
 
+def _computed_tensor(value: Any) -> bool:
+    return (isinstance(value, torch.fx.Node) and value.op != "placeholder" and value.target is not shard_annotation
+            and isinstance(value.meta.get("val"), torch.Tensor))
+
+
+def _annotated(graph: torch.fx.Graph, output: torch.fx.Node, value: torch.fx.Node, dims: Dims,
+               mesh: Mesh) -> torch.fx.Node:
+    with graph.inserting_before(output):
+        node = graph.call_function(shard_annotation, (value, encode_sharding(mesh.axes, dims)))
+    node.meta["val"] = value.meta["val"]
+    return node
+
+
 def _output_roles(placeholders: Sequence[torch.fx.Node], count: int, processes: int) -> tuple[int, int | None]:
     """For an inference or forward graph: how many outputs are returned to the caller (the others are saved
     for the backward), and the position of the first of the user's outputs (after the updated values of
@@ -113,6 +141,14 @@ def _output_roles(placeholders: Sequence[torch.fx.Node], count: int, processes: 
         return count, first_user
     returns = getattr(metadata, "num_forward_returns", None)
     return (count if returns is None else returns), first_user
+
+
+def _updated_inputs() -> tuple[int, ...]:
+    """For an inference or forward graph: the input each of its first outputs is the new value of (AOTAutograd
+    returns the updated values of inputs mutated in place first, in this order)."""
+    context = torch._guards.TracingContext.try_get()
+    metadata = getattr(context, "fw_metadata", None)
+    return tuple(getattr(metadata, "mutated_inp_runtime_indices", None) or ())
 
 
 def record_layouts(gm: torch.fx.GraphModule, output_plan: Sequence[Any], result_dims: Sequence[Dims | None],

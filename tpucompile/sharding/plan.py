@@ -142,6 +142,10 @@ class Rule:
     optional: bool = False
     """An optional rule may match nothing, and skips tensors it does not fit (ready-made plans use it for
     "every input along dimension 0" and for biases); a required rule that does either is an error."""
+    spread: str | None = None
+    """Set for fully sharded data parallelism: instead of giving ``dims``, the rule adds this mesh axis ("" for
+    the mesh's data axis, picked when the plan is resolved) to the first dimension it divides, on top of what
+    the first matching ordinary rule says; it applies after them, wherever it stands in the plan."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,7 +218,7 @@ class ShardPlan:
             whole = graph_input.is_output or graph_input.is_activation
             dims: Dims | None = None if whole else ((),) * len(graph_input.shape)
             for index, rule in enumerate(self.rules):
-                if not _applies(rule, graph_input):
+                if rule.spread is not None or not _applies(rule, graph_input):
                     continue
                 problem = _misfit(rule.dims, graph_input, mesh)
                 if problem is not None:
@@ -224,14 +228,31 @@ class ShardPlan:
                 used[index] = True
                 dims = rule.dims + ((),) * (len(graph_input.shape) - len(rule.dims))
                 break
+            for index, rule in enumerate(self.rules):
+                if rule.spread is not None and dims is not None and _applies(rule, graph_input):
+                    spread = spread_dims(dims, graph_input.shape, rule.spread or _data_axis(mesh), mesh)
+                    used[index] = used[index] or spread != dims
+                    dims = spread
             resolved.append(dims)
         for rule, was_used in zip(self.rules, used, strict=True):
             if not was_used and not rule.optional:
                 raise ShardingError(_unmatched_message(rule, inputs, mesh))
         return tuple(resolved)
 
+    @property
+    def splits_gradients(self) -> bool:
+        """Whether gradients come back laid out like their parameters (fully sharded data parallelism:
+        XLA reduce-scatters them) rather than whole."""
+        return any(rule.spread is not None for rule in self.rules)
+
+    def spread_axis(self, mesh: Mesh) -> str | None:
+        """The mesh axis a fully sharded plan splits everything over (None for other plans)."""
+        rule = next((r for r in self.rules if r.spread is not None), None)
+        return None if rule is None else rule.spread or _data_axis(mesh)
+
     def __repr__(self) -> str:
-        rules = ", ".join(f"{r.pattern!r}: {format_dims(r.dims)}" for r in self.rules)
+        rules = ", ".join(f"{r.pattern!r}: " + (f"spread over {r.spread or 'the data axis'}" if r.spread is not None
+                                                else format_dims(r.dims)) for r in self.rules)
         text = f"ShardPlan({{{rules}}}"
         if self.mesh is not None:
             text += f", mesh={self.mesh!r}"
@@ -282,6 +303,32 @@ def _misfit(dims: Dims, graph_input: GraphValue, mesh: Mesh) -> str | None:
     return None
 
 
+def spread_dims(dims: Dims, shape: Sequence[int], axis: str, mesh: Mesh) -> Dims:
+    """``dims`` with ``axis`` added to the first dimension of ``shape`` that it still divides (after the axes
+    already there), or ``dims`` unchanged when the axis is used already or divides no dimension."""
+    if axis not in mesh.axis_names:
+        raise ShardingError(f"fully sharded plan: axis {axis!r} is not an axis of {mesh!r}")
+    if any(axis in axes for axes in dims):
+        return dims
+    for dim, size in enumerate(shape):
+        split = mesh.axis_size(axis)
+        for existing in dims[dim]:
+            split *= mesh.axis_size(existing)
+        if split > 1 and size % split == 0:
+            return (*dims[:dim], (*dims[dim], axis), *dims[dim + 1:])
+    return dims
+
+
+def _data_axis(mesh: Mesh) -> str:
+    for name in ("data", "fsdp"):
+        if name in mesh.axis_names:
+            return name
+    if len(mesh.axes) == 1:
+        return mesh.axes[0][0]
+    raise ShardingError(f"{mesh!r} has no axis named 'data' or 'fsdp'; say which axis to shard over "
+                        "(fully_sharded(mesh, axis=...), or the shard option 'fsdp:AXIS')")
+
+
 def _unmatched_message(rule: Rule, inputs: Sequence[GraphValue], mesh: Mesh) -> str:
     names = [i.name for i in inputs if i.shape is not None and i.is_output == (rule.applies_to == "output")
              and i.is_activation == (rule.applies_to == "activation")]
@@ -314,6 +361,24 @@ def data_parallel(mesh: Mesh, axis: str | None = None) -> ShardPlan:
     position index, a scalar) are replicated."""
     axis = _pick_axis(mesh, axis, "data", "data")
     return ShardPlan((Rule("*", ((axis,),), applies_to="input", optional=True),), mesh)
+
+
+def fully_sharded(mesh: Mesh | None = None, axis: str | None = None) -> ShardPlan:
+    """Fully sharded data parallelism (ZeRO-3, PyTorch's FSDP) over ``axis`` (default ``"data"`` or ``"fsdp"``,
+    or the mesh's only axis): every tensor the program takes — parameters, and so their gradients, the
+    optimiser state built from them and the optimiser step's arguments, and the batch — is split along the
+    first dimension the axis divides (dimension 0 of the batch), and what cannot be split stays whole.
+    Gradients come back split like their parameters. XLA's partitioner gathers each parameter where it is
+    used and reduce-scatters its gradient.
+
+    Combines with ``tensor_parallel`` on another axis (``fully_sharded(mesh) + tensor_parallel(mesh, ...)``,
+    in either order): a tensor-parallel weight is split over the model axis as that plan says and over the
+    data axis along the first dimension that still divides."""
+    if mesh is not None and axis is not None:
+        _pick_axis(mesh, axis, "data", "fsdp")
+    elif mesh is not None:
+        axis = _data_axis(mesh)
+    return ShardPlan((Rule("*", (), applies_to="any", optional=True, spread=axis or ""),), mesh)
 
 
 def tensor_parallel(
@@ -361,9 +426,15 @@ def mesh_option(value: Any) -> Mesh | None:
 
 
 def shard_option(value: Any) -> ShardPlan | None:
-    """The ``shard`` option: a ``ShardPlan``, a mapping of names to dims, or that mapping as JSON text."""
+    """The ``shard`` option: a ``ShardPlan``, a mapping of names to dims, that mapping as JSON text, or
+    ``"fsdp"`` / ``"fsdp:AXIS"`` (``fully_sharded`` over the ``mesh`` option's data axis, or AXIS)."""
     if value is None or isinstance(value, ShardPlan):
         return value
+    if isinstance(value, str) and (value == "fsdp" or value.startswith("fsdp:")):
+        axis = value.partition(":")[2].strip()
+        if value.startswith("fsdp:") and not axis.isidentifier():
+            raise ShardingError(f"tpucompile option 'shard' {value!r}: write 'fsdp' or 'fsdp:AXIS'")
+        return fully_sharded(axis=axis or None)
     if isinstance(value, str):
         try:
             value = json.loads(value)
