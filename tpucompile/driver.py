@@ -37,6 +37,7 @@ from tpucompile.runtime import (
 )
 from tpucompile.runtime.targets.compile_only import compile_targets, spanning
 from tpucompile.sharding.annotate import record_layouts
+from tpucompile.sharding.plan import Dims
 
 log = logging.getLogger("tpucompile")
 
@@ -240,7 +241,9 @@ def _compile_region(
     def build(bindings: ShapeBindings) -> GraphExecutable | ShapeOnlyExecutable:
         program, program_sha256, program_tier = artifacts.lowered_program(gm, bindings, target, options)
         if options.compile_only:  # for the targets only: nothing is compiled or run for this process
-            _compile_for_targets(gm, bindings, program, program_sha256, target, options, name)
+            layouts = _compile_for_targets(gm, bindings, program, program_sha256, target, options, name)
+            if layouts is not None and options.shard is not None:  # the backward takes what it saves as laid out
+                record_layouts(gm, program.output_plan, layouts, options.shard)
             return ShapeOnlyExecutable(program.output_plan, [(s.shape, s.dtype) for s in program.result_specs],
                                        _output_devices(gm))
         loaded = artifacts.load_executable(program, program_sha256, target, options, name)
@@ -289,9 +292,16 @@ def load_compiled_graph(program_key: str, options: Options, name: str) -> GraphE
 
 
 def _target(options: Options) -> Any:
+    """What a graph is lowered for: this process's device or mesh; in a compile-only run, the first target's
+    devices (its mesh may be larger than this machine)."""
+    size = 1 if options.mesh is None else options.mesh.size
+    if options.compile_only:
+        others = compile_targets(options.targets, options.platform)
+        if others:
+            return spanning(others[0], size)
     if options.mesh is None:
         return get_target(options.platform)
-    return get_mesh_target(options.platform, options.mesh.size, options.mesh.devices)
+    return get_mesh_target(options.platform, size, options.mesh.devices)
 
 
 def _executable(
@@ -364,12 +374,14 @@ def _notify(
 def _compile_for_targets(
     gm: torch.fx.GraphModule, bindings: ShapeBindings, program: LoweredProgram, program_sha256: str,
     run_target: Any, options: Options, name: str,
-) -> None:
+) -> list[Dims | None] | None:
     """Compile the graph also for every compile-only target of ``options`` and store the executables; a
     target that cannot compile it is reported (a warning, and an event with the reason), never raised: the
-    graph still runs here."""
+    graph still runs here. Returns how the first target lays out each result of a sharded program (None when
+    no target says)."""
+    layouts = None
     if not options.targets:
-        return
+        return layouts
     for target in compile_targets(options.targets, options.platform):
         target = spanning(target, len(run_target.devices))
         try:
@@ -382,4 +394,7 @@ def _compile_for_targets(
             outcome = artifacts.TargetOutcome(str(target.name), "", {}, None, 0.0, 0.0, {}, error=error)
         if outcome.error is not None:
             warnings.warn(f"tpucompile: {outcome.error}", TpuCompileWarning, stacklevel=2)
+        elif layouts is None and outcome.report.get("result_dims") is not None:
+            layouts = [None if d is None else tuple(tuple(axes) for axes in d) for d in outcome.report["result_dims"]]
         _notify(name, gm, target_program, program_tier, outcome)
+    return layouts

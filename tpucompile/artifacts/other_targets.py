@@ -18,6 +18,7 @@ from tpucompile.errors import CacheMissError
 from tpucompile.lowering import LoweredProgram
 from tpucompile.lowering.context import mlir_context
 from tpucompile.runtime import Target
+from tpucompile.runtime.sharded import result_layouts
 from tpucompile.runtime.targets.cross_compile import TargetCompileError, compile_for
 
 log = logging.getLogger("tpucompile")
@@ -48,7 +49,9 @@ def compile_for_target(
 ) -> TargetOutcome:
     """The executable of ``program`` for compile-only ``target``, from the cache or compiled now and stored
     under the key a host of that target computes for it. ``keep_executable`` compiles even on a hit, so that
-    the caller can read the optimised HLO (the executable cannot be loaded here)."""
+    the caller can read the optimised HLO (the executable cannot be loaded here). For a program partitioned
+    over ``options.mesh``, the report says how each result is laid out (``result_dims``), as a run on the
+    target's devices would find it."""
     components = executable_components(program, program_sha256, target, options)
     key = cache_key(components)
     start = time.perf_counter()
@@ -69,6 +72,10 @@ def compile_for_target(
         return TargetOutcome(str(target.name), key, components, None, time.perf_counter() - start, 0.0, {},
                              error=error)
     report = compiled.report()
+    if options.mesh is not None and len(target.devices) > 1:
+        shapes = [tuple(spec.shape) for spec in program.result_specs]
+        dims = result_layouts(compiled.executable.get_output_shardings(), shapes, options.mesh.axes)
+        report["result_dims"] = [None if d is None else [list(axes) for axes in d] for d in dims]
     if found is not None:
         entry, tier = found
         cache.record_hit(key, entry.compile_seconds)

@@ -147,6 +147,20 @@ def mesh_dims(layout: Sequence[Index], shape: tuple[int, ...], mesh_axes: Sequen
     return None
 
 
+def result_layouts(shardings: Sequence[Any], shapes: Sequence[tuple[int, ...]],
+                   mesh_axes: Sequence[tuple[str, int]]) -> list[Dims | None]:
+    """The dims of each result of an executable compiled for a mesh, from its output ``OpSharding``s (None
+    where no dims describe it)."""
+    partitions = int(np.prod([size for _, size in mesh_axes]))
+    found: list[Dims | None] = []
+    for sharding, shape in zip(shardings, shapes, strict=True):
+        layout = hlo_layout(sharding, tuple(shape), partitions)
+        whole = tuple((0, size) for size in shape)
+        found.append(((),) * len(shape) if all(i == whole for i in layout) else mesh_dims(layout, tuple(shape),
+                                                                                          mesh_axes))
+    return found
+
+
 def _slices(index: Index) -> tuple[slice, ...]:
     return tuple(slice(start, stop) for start, stop in index)
 
