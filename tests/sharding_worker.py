@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 from mingpt import GPT, GPTConfig  # noqa: E402
 
 import tpucompile  # noqa: E402
-from tpucompile import Mesh, data_parallel, driver, tensor_parallel  # noqa: E402
+from tpucompile import Mesh, data_parallel, driver, fully_sharded, tensor_parallel  # noqa: E402
 
 CONFIG = GPTConfig(vocab_size=128, block_size=16, n_layer=2, n_head=4, n_embd=64)
 BATCH, LENGTH, STEPS = 8, 16, 3
@@ -67,7 +67,9 @@ def run(model: torch.nn.Module, options: dict | None) -> dict:
     return {"logits": logits, "losses": losses, "params": [p.detach().clone() for p in model.parameters()]}
 
 
-def max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+def max_diff(a: list[torch.Tensor] | torch.Tensor, b: list[torch.Tensor] | torch.Tensor) -> float:
+    if isinstance(a, torch.Tensor):
+        return (a - b).abs().max().item()
     return max((x - y).abs().max().item() for x, y in zip(a, b, strict=True))
 
 
@@ -109,7 +111,92 @@ def gpt() -> None:
         }
     report["reuse"] = reuse()
     report["kept_output"] = kept_output()
+    report["fsdp"] = fully_sharded_runs(initial)
     print(json.dumps(report))
+
+
+def training_run(model: torch.nn.Module, options: dict) -> dict:
+    """Logits, the first step's gradients, then STEPS AdamW steps with the optimiser step compiled too."""
+    net = torch.compile(model, backend="tpucompile", options=options)
+    idx, targets = data()
+    with torch.no_grad():
+        logits = net(idx)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    step = torch.compile(optimizer.step, backend="tpucompile", options=options)
+    losses, gradients = [], None
+    for _ in range(STEPS):
+        optimizer.zero_grad()
+        loss = net(idx, targets)
+        loss.backward()
+        gradients = gradients or [p.grad.clone() for p in model.parameters()]
+        step()
+        losses.append(loss.item())
+    return {"logits": logits, "losses": losses, "gradients": gradients,
+            "params": [p.detach().clone() for p in model.parameters()],
+            "state": [t.clone() for s in optimizer.state.values() for t in (s["exp_avg"], s["exp_avg_sq"])]}
+
+
+def fully_sharded_runs(initial: torch.nn.Module) -> dict:
+    """FSDP over 8 devices (the ``shard`` option's string form) and FSDP x TP on a 2 x 4 mesh, against one
+    device; what each program returns split, and the collectives XLA put in."""
+    torch._dynamo.reset()
+    single = training_run(copy.deepcopy(initial), {})
+    both = Mesh({"data": 2, "model": 4})
+    layouts = {
+        "fsdp": {"mesh": Mesh({"data": 8}), "shard": "fsdp"},
+        "fsdp_tp": {"mesh": both, "shard": fully_sharded(both) + tensor_parallel(both, column=COLUMN, row=ROW)},
+    }
+    report = {}
+    for name, options in layouts.items():
+        torch._dynamo.reset()
+        events: list = []
+        remove = driver.add_observer(events.append)
+        before = {id(e) for e in driver.recent_executables()}
+        sharded = training_run(copy.deepcopy(initial), options)
+        remove()
+        split = [sum(1 for dims in e.result_dims if dims and any(dims)) for e in driver.recent_executables()
+                 if id(e) not in before and type(e).__name__ == "ShardedExecutable"]
+        report[name] = {
+            "vs_single": {key: max_diff(sharded[key], single[key]) if key != "losses" else
+                          max(abs(x - y) for x, y in zip(sharded[key], single[key], strict=True))
+                          for key in ("logits", "losses", "gradients", "params", "state")},
+            "graphs": [e.name for e in events],
+            "results_split": split,
+            "collectives": [collective_kinds(e.executable) for e in events],
+            "parameters": len(single["params"]),
+        }
+    report["prewarm_keys"] = prewarm_keys()
+    return report
+
+
+def prewarm_keys() -> dict:
+    """FSDP compiled for a v5e slice of 8 chips twice: compile-only on meta weights, and running here on 8
+    devices with real weights: the slice's executable keys of every graph (forward, backward, AdamW's step)."""
+    import importlib.util
+
+    if importlib.util.find_spec("libtpu") is None:
+        return {"skipped": "libtpu is not installed"}
+    found = {}
+    for device in ("meta", "cpu"):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = GPT(CONFIG)
+        idx = torch.zeros(BATCH, LENGTH, dtype=torch.long, device=device)
+        options = {"targets": ["tpu:v5e:2x4"], "mesh": Mesh({"data": 8}), "shard": "fsdp", "cache_mode": "off"}
+        events: list = []
+        remove = driver.add_observer(events.append)
+        torch.compile(model, backend="tpucompile", options=options)(idx, idx).backward()
+        torch.compile(torch.optim.AdamW(model.parameters(), lr=1e-3).step, backend="tpucompile", options=options)()
+        remove()
+        found[device] = [(e.name.rsplit("(", 1)[-1].rstrip(")"), e.key, e.error) for e in events
+                         if e.target == "tpu:v5e:2x4"]
+    return found
+
+
+def collective_kinds(executable) -> dict[str, int]:
+    text = "\n".join(m.to_string() for m in executable.hlo_modules())
+    return {op: text.count(f" {op}(") for op in ("all-reduce", "all-gather", "reduce-scatter", "all-to-all")}
 
 
 def collectives(executable) -> int:

@@ -18,9 +18,18 @@ import torch
 
 import tpucompile
 from tests.support import compile_fn
-from tpucompile import Mesh, Options, ShardingError, ShardPlan, data_parallel, driver, tensor_parallel
+from tpucompile import (
+    Mesh,
+    Options,
+    ShardingError,
+    ShardPlan,
+    data_parallel,
+    driver,
+    fully_sharded,
+    tensor_parallel,
+)
 from tpucompile.sharding.names import graph_inputs, input_name
-from tpucompile.sharding.plan import GraphValue, decode_sharding, encode_sharding, normalize_dims
+from tpucompile.sharding.plan import GraphValue, decode_sharding, encode_sharding, normalize_dims, shard_option
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "sharding_worker.py")
@@ -117,6 +126,52 @@ def test_ready_made_plans():
     assert dims == (((), ("model",)), (("model",),))
 
 
+def test_fully_sharded_plan_splits_every_tensor_along_the_first_dimension_it_divides():
+    mesh = Mesh({"data": 2, "model": 4})
+    dims = dict(zip([i.name for i in GPT_INPUTS], fully_sharded(mesh).resolve(GPT_INPUTS, mesh), strict=True))
+    assert dims == {
+        "idx": (("data",), ()),  # the batch
+        "wte.weight": (("data",), ()),
+        "blocks.0.attn.qkv.weight": (("data",), ()),
+        "blocks.0.attn.qkv.bias": (("data",),),
+        "blocks.0.attn.proj.weight": (("data",), ()),
+        "blocks.0.attn.proj.bias": (("data",),),
+        "positions": (("data",),),
+        "mask": (("data",), ()),
+        "step": (),  # nothing to split
+        "lr": None,
+    }
+    odd = [GraphValue("w", (3, 6), True, "float32"), GraphValue("b", (3,), True, "float32")]
+    assert fully_sharded(mesh).resolve(odd, mesh) == (((), ("data",)), ((),))  # the first dimension 2 divides
+    assert fully_sharded(mesh).splits_gradients and not data_parallel(mesh).splits_gradients
+
+
+def test_fully_sharded_composes_with_tensor_parallel_in_either_order():
+    mesh = Mesh({"data": 2, "model": 4})
+    tp = tensor_parallel(mesh, column=["blocks.*.attn.qkv"], row=["blocks.*.attn.proj"])
+    first, second = (fully_sharded(mesh) + tp).resolve(GPT_INPUTS, mesh), (tp + fully_sharded(mesh)).resolve(
+        GPT_INPUTS, mesh)
+    assert first == second
+    dims = dict(zip([i.name for i in GPT_INPUTS], first, strict=True))
+    assert dims["blocks.0.attn.qkv.weight"] == (("model", "data"), ())  # 192 splits 4 x 2 ways
+    assert dims["blocks.0.attn.qkv.bias"] == (("model", "data"),)
+    assert dims["blocks.0.attn.proj.weight"] == (("data",), ("model",))
+    assert dims["wte.weight"] == (("data",), ())
+
+
+def test_fully_sharded_option_and_axis():
+    assert shard_option("fsdp").resolve(GPT_INPUTS[1:2], Mesh({"fsdp": 2, "model": 4})) == ((("fsdp",), ()),)
+    assert shard_option("fsdp:x").resolve(GPT_INPUTS[1:2], Mesh({"x": 8})) == ((("x",), ()),)
+    assert fully_sharded(Mesh({"replica": 8})).resolve(GPT_INPUTS[1:2], Mesh({"replica": 8})) == ((("replica",), ()),)
+    with pytest.raises(ShardingError, match="no axis named 'data' or 'fsdp'"):
+        shard_option("fsdp").resolve(GPT_INPUTS[1:2], Mesh({"x": 2, "y": 4}))
+    with pytest.raises(ShardingError, match="'z' is not an axis"):
+        fully_sharded(Mesh({"x": 2}), axis="z")
+    with pytest.raises(ShardingError, match="'fsdp' or 'fsdp:AXIS'"):
+        shard_option("fsdp:")
+    assert "spread over data" in repr(fully_sharded(Mesh({"data": 2})))
+
+
 def test_outputs_are_named_by_position():
     mesh = Mesh({"data": 2, "model": 4})
     values = [*GPT_INPUTS, GraphValue("output:0", (8, 16, 128), dtype="float32", is_output=True),
@@ -181,6 +236,30 @@ def test_graph_inputs_are_named_by_module_path():
     assert input_name("L['fn']._modules['0']._parameters['weight']") == "0.weight"
     assert input_name("L['batch']['x']") == "batch.x"
     assert input_name("weird(source)") == "weird(source)"
+
+
+def test_an_optimiser_step_names_parameters_gradients_and_state_after_the_module():
+    """A compiled optimiser step holds the parameters and its state as graph attributes, which AOTAutograd lifts
+    to the first inputs of its graph: they are named (and ordered) so that a plan written for the module lays
+    out the step's tensors like the module's."""
+    seen = []
+
+    def capture(gm, example_inputs):
+        seen.append(graph_inputs(gm, example_inputs))
+        return gm.forward
+
+    torch._dynamo.reset()
+    net = _Net()
+    torch.compile(net, backend=capture)(torch.randn(4, 16)).sum().backward()
+    optimizer = torch.optim.AdamW(net.parameters())
+    torch.compile(optimizer.step, backend=capture)()
+    step = seen[-1]
+    parameters = ["layers.0.weight", "layers.0.bias", "layers.1.weight", "layers.1.bias"]
+    assert [v.name for v in step[:4]] == parameters  # lifted first, as AOTAutograd passes them
+    assert [v.name for v in step[-4:]] == parameters  # the gradients, the step's own inputs
+    state = [v for v in step[4:-4] if v.shape]
+    assert sorted(v.name for v in state) == sorted(parameters * 2)  # exp_avg and exp_avg_sq of each
+    assert all(v.shape == dict((p.name, p.shape) for p in step[:4])[v.name] for v in state)
 
 
 def _compile_fails(options: dict, match: str) -> None:
@@ -323,6 +402,34 @@ def test_submodule_outputs_the_plan_names_are_constrained(gpt_runs):
 def test_each_layout_compiles_its_own_programs(gpt_runs):
     keys = [set(gpt_runs[layout]["keys"]) for layout in ("dp", "tp", "dp_tp")]
     assert not (keys[0] & keys[1]) and not (keys[0] & keys[2]) and not (keys[1] & keys[2])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["fsdp", "fsdp_tp"])
+def test_fully_sharded_training_matches_one_device(gpt_runs, layout):
+    """FSDP (and FSDP x TP), the optimiser step compiled too: logits, the first gradients, the losses, the
+    parameters and AdamW's state after three steps equal the one-device run's."""
+    run = gpt_runs["fsdp"][layout]
+    diff = run["vs_single"]
+    assert diff["logits"] < 1e-5 and diff["losses"] < 1e-5 and diff["gradients"] < 1e-5, diff
+    assert diff["params"] < 1e-4 and diff["state"] < 1e-5, diff
+    roles = [name.rsplit("(", 1)[1].rstrip(")") for name in run["graphs"]]
+    assert roles == ["inference", "forward", "backward", "inference"], run["graphs"]  # the last: AdamW's step
+    assert run["results_split"][2] == run["parameters"]  # every gradient comes back laid out as its parameter
+    # the step updates parameters, exp_avg and exp_avg_sq where they lie: all split alike, nothing to exchange
+    assert run["results_split"][3] == 3 * run["parameters"]
+    assert run["collectives"][3] == {"all-reduce": 0, "all-gather": 0, "reduce-scatter": 0, "all-to-all": 0}
+    assert sum(run["collectives"][2].values()) > 0
+
+
+@pytest.mark.slow
+def test_a_fully_sharded_prewarm_writes_the_keys_a_run_on_real_weights_looks_up(gpt_runs):
+    keys = gpt_runs["fsdp"]["prewarm_keys"]
+    if "skipped" in keys:
+        pytest.skip(keys["skipped"])
+    assert [role for role, _, _ in keys["meta"]] == ["forward", "backward", "inference"]
+    assert all(error is None for _, _, error in keys["meta"] + keys["cpu"])
+    assert keys["meta"] == keys["cpu"]
 
 
 @pytest.mark.slow

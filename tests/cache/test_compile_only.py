@@ -90,3 +90,76 @@ def test_compile_only_option_and_environment_variable():
     assert Options().compile_only is False
     with pytest.raises(OptionsError, match="must be a bool"):
         Options.from_sources({"compile_only": "yes"})
+
+
+class _LossNet(_Net):
+    """The loss inside the compiled module, as training code usually has it."""
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return F.cross_entropy(super().forward(x), labels)
+
+
+def _target_keys(device: str, options: dict) -> dict[str, str]:
+    """Forward, backward and AdamW step compiled with ``options`` on weights made on ``device``: the key of
+    each graph's executable for the compile-only target, by graph role."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    with torch.device(device):
+        net = _LossNet()
+    x, labels = torch.randn(8, 16, device=device), torch.randint(0, 10, (8,), device=device)
+    events, remove = _events()
+    try:
+        torch.compile(net, backend="tpucompile", options=options)(x, labels).backward()
+        optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3)
+        torch.compile(optimizer.step, backend="tpucompile", options=options)()
+    finally:
+        remove()
+    for name, parameter in net.named_parameters():
+        assert parameter.grad is not None and parameter.grad.device.type == device, name
+    found = {}
+    for event in events:
+        if event.target == TARGET:
+            assert event.error is None, event.error
+            found[event.name.split(" ", 2)[-1] + f" #{event.name.split(' ')[1]}"] = event.key
+    return found
+
+
+@needs_libtpu
+def test_compile_only_on_meta_weights_fills_the_keys_a_real_run_looks_up(tmp_path):
+    """Pre-warming from a CPU with weights that never exist writes exactly the entries a run with real weights
+    and the same targets looks up: the same key for every graph (forward with the loss inside, backward, the
+    optimiser step); weights never enter a key."""
+    meta = _target_keys("meta", {"targets": [TARGET], "cache_dir": str(tmp_path / "meta")})
+    real = _target_keys("cpu", {"targets": [TARGET], "cache_dir": str(tmp_path / "real")})
+    roles = sorted(name.split(" #")[0] for name in meta)
+    assert roles == ["(backward)", "(forward)", "(inference)"], roles  # the last: AdamW's step
+    assert list(meta.values()) == list(real.values())
+    stored = PersistentCache(tmp_path / "meta")
+    assert all(stored.get(key) is not None for key in meta.values())
+
+
+@needs_libtpu
+def test_a_fully_sharded_step_compiles_for_a_slice_larger_than_this_machine(tmp_path):
+    """FSDP over the 8 chips of a v5e slice, from meta weights on a machine with one CPU device: every graph
+    compiles for the slice, and each chip holds an eighth of the weights."""
+    with torch.device("meta"):
+        net = torch.nn.Sequential(torch.nn.Linear(512, 2048), torch.nn.GELU(), torch.nn.Linear(2048, 512))
+    options = {"targets": ["tpu:v5e:2x4"], "mesh": {"data": 8}, "shard": "fsdp", "cache_dir": str(tmp_path)}
+    events, remove = _events()
+    try:
+        torch.compile(net, backend="tpucompile", options=options)(torch.randn(64, 512, device="meta")).sum().backward()
+        optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3)
+        torch.compile(optimizer.step, backend="tpucompile", options=options)()
+    finally:
+        remove()
+    assert all(p.grad is not None and p.grad.is_meta for p in net.parameters())
+    assert [e.error for e in events] == [None, None, None] and all(e.target == "tpu:v5e:2x4" for e in events)
+    weights = sum(p.numel() * 4 for p in net.parameters())  # 8.4 MB of float32
+    forward, backward, step = (e.report["memory"] for e in events)
+    assert forward["argument"] < weights / 6  # an eighth of the weights (and of the batch), with some padding
+    assert step["argument"] < 4 * weights / 6  # parameters, gradients and two AdamW moments, split 8 ways
+    assert backward["output"] < weights / 6  # gradients reduce-scattered, not all-reduced
+    with pytest.raises(Exception, match="partitioned over 16 devices, but tpu:v5e:2x4 has 8"):
+        torch._dynamo.reset()
+        torch.compile(net, backend="tpucompile", options={**options, "mesh": {"data": 16}})(
+            torch.randn(64, 512, device="meta"))
