@@ -250,3 +250,49 @@ def test_help_documents_it_with_an_example(env):
     for words in ("--out", "--stage", "--graph", "--key", "--diff", "TPUCOMPILE_DUMP_DIR", "examples:",
                   "tpucompile dump-hlo examples/mlp.py", "exit status:", "stablehlo.mlir", "hlo_optimized.txt"):
         assert words in result.stdout, words
+
+
+def test_step_report_from_graph_reports():
+    """The step report sums a step's graphs: bytes by use, the fit against the chip's HBM with the optimiser
+    state resident during forward and backward, and the time from XLA's estimate, else the compiler's cycles,
+    else the roofline, with the roofline bound beside it."""
+    from tpucompile.debug.step_report import format_step_report, step_report
+
+    def graph(name, role, uses, peak, flops, seconds, cycles=None, bytes_accessed=1e9):
+        memory = {"argument": 0, "output": 0, "temp": 100, "generated_code": 0, "peak": peak}
+        return {"name": name, "role": role, "uses": uses,
+                "report": {"memory": memory, "flops": flops, "bytes_accessed": bytes_accessed,
+                           "optimal_seconds": seconds, "estimated_cycles": cycles}}
+
+    gib = 2**30
+    graphs = [
+        graph("graph 0 (forward)", "forward", {"parameters": 2 * gib, "inputs": 10}, 6 * gib, 1e12, -2.0, 1.75e7),
+        graph("graph 0 (backward)", "backward", {"parameters": 2 * gib, "activations": 3 * gib,
+                                                 "gradients_returned": 2 * gib}, 9 * gib, 2e12, 0.01),
+        graph("graph 1 (inference)", "inference", {"parameters": 2 * gib, "gradients": 2 * gib,
+                                                   "optimizer_state": 4 * gib}, 8 * gib, 1e10, None),
+    ]
+    report = step_report(graphs, "tpu:v5p:2x2x1")
+    assert report["bytes_per_chip"] == {"parameters": 2 * gib, "gradients": 2 * gib, "optimizer_state": 4 * gib,
+                                        "activations": 3 * gib, "inputs": 10, "temporaries": 100}
+    assert report["peak_per_chip"] == 13 * gib  # the backward's peak and the resident optimiser state
+    assert report["fits"] and report["margin_bytes"] == int(95.74 * gib) - 13 * gib
+    # forward: no XLA estimate, 1.75e7 cycles at v5p's clock (459e12 / (8 x 128 x 128 x 2) = 1.751 GHz);
+    # backward: XLA's 10 ms; the optimiser step: the roofline
+    forward, step = 1.75e7 / (459e12 / (8 * 128 * 128 * 2)), max(1e10 / 459e12, 1e9 / 2765e9)
+    assert abs(report["estimated_step_seconds"] - (forward + 0.01 + step)) < 1e-12
+    assert report["estimated_by"] == ["cycles", "roofline", "xla"]
+    assert abs(report["estimated_mfu"] - 3.01e12 / ((forward + 0.01 + step) * 459e12)) < 1e-9
+    bound = max(1e12 / 459e12, 1e9 / 2765e9) + max(2e12 / 459e12, 1e9 / 2765e9) + step
+    assert abs(report["roofline_step_seconds"] - bound) < 1e-12 and report["roofline_mfu"] > report["estimated_mfu"]
+    text = format_step_report(step_report(graphs, "tpu:v5e:2x2"))
+    assert "fits: 13.00 GiB of 15.75 GiB HBM" in text and "roofline bound" in text
+    small = step_report([dict(g, report=dict(g["report"], memory=dict(g["report"]["memory"], peak=20 * gib)))
+                         for g in graphs], "tpu:v5e:2x2")
+    assert small["fits"] is False and small["margin_bytes"] < 0
+    assert "DOES NOT FIT" in format_step_report(small)
+    # 20 GiB + 4 GiB of optimiser state, of which 11 GiB split over the data axis: twice the axis leaves
+    # 13 + 5.5 GiB, four times 13 + 2.75 = 15.75 GiB, which fits
+    assert small["suggestion"].startswith("needs 24.00 GiB per chip of 15.75 GiB (parameters 2.00 GiB, ")
+    assert "a data axis 4x larger" in small["suggestion"] and "about 15.75 GiB" in small["suggestion"]
+    assert report["suggestion"] is None

@@ -26,7 +26,9 @@ from tpucompile.debug import recorder as dump
 from tpucompile.driver import compile_graph, record_graph
 from tpucompile.errors import OptionsError
 from tpucompile.frontend import (
+    KINDS_KEY,
     decomposition_table,
+    input_kinds,
     mark_donatable,
     rewrite_attention,
     rewrite_interpolation,
@@ -63,8 +65,11 @@ def tpucompile_backend(
             return compiled
         recorder = warm_start.PlanRecorder(components, config, len(example_inputs))
 
+    kinds = input_kinds(gm, example_inputs)
+
     def compiler(role: str) -> Callable[[torch.fx.GraphModule, list[Any]], Callable]:
         def compile_role(aten_gm: torch.fx.GraphModule, aten_inputs: list[Any]) -> Callable:
+            aten_gm.meta[KINDS_KEY] = kinds  # step reports count memory by use
             if config.donate:  # the plan's runner keeps the saved values as its own buffers
                 mark_donatable(aten_gm, role, saved_on_device=recorder is not None and not recorder.abandoned)
             compiled = compile_graph(aten_gm, aten_inputs, config, f"graph {index} ({role})")

@@ -32,13 +32,20 @@ class Generation:
     """HBM one chip offers a program, as XLA's TPU compiler counts it when it refuses one that does not fit."""
     host_chips: int
     """Chips on one host of the largest single-host slice (slices up to this size are one host)."""
+    peak_bf16_flops: float
+    """Peak bfloat16 matrix throughput of one chip (the vendor's published figure), for MFU estimates."""
+    hbm_bytes_per_second: float
+    """HBM bandwidth of one chip (the vendor's published figure), for roofline time estimates."""
+    clock_hz: float
+    """Core clock, to turn the compiler's cycle estimates into seconds: the peak rate over what the chip's
+    matrix units do per cycle (v5e: 4 units of 128 x 128 multiply-adds; v5p: 8; v6e: 4 of 256 x 256)."""
 
 
 _GIB = 2**30
 GENERATIONS = {
-    "v5e": Generation("v5e", "TPU v5 lite", 2, int(15.75 * _GIB), 8),
-    "v6e": Generation("v6e", "TPU v6 lite", 2, int(31.25 * _GIB), 8),
-    "v5p": Generation("v5p", "TPU v5", 3, int(95.74 * _GIB), 4),
+    "v5e": Generation("v5e", "TPU v5 lite", 2, int(15.75 * _GIB), 8, 197e12, 819e9, 197e12 / (4 * 128 * 128 * 2)),
+    "v6e": Generation("v6e", "TPU v6 lite", 2, int(31.25 * _GIB), 8, 918e12, 1640e9, 918e12 / (4 * 256 * 256 * 2)),
+    "v5p": Generation("v5p", "TPU v5", 3, int(95.74 * _GIB), 4, 459e12, 2765e9, 459e12 / (8 * 128 * 128 * 2)),
 }
 """Generations whose compile-only devices are laid out as a real host of theirs sees them (one device per
 chip). libtpu describes older and newer ones too, but with a device per core, which a real host of theirs

@@ -12,6 +12,8 @@ import torch.nn.functional as F
 from tpucompile import driver
 from tpucompile.cache import PersistentCache
 from tpucompile.config import Options
+from tpucompile.debug.step_report import format_step_report, step_report
+from tpucompile.debug.uses import graph_uses
 from tpucompile.errors import OptionsError
 
 TARGET = "tpu:v5e:1x1"
@@ -159,6 +161,18 @@ def test_a_fully_sharded_step_compiles_for_a_slice_larger_than_this_machine(tmp_
     assert forward["argument"] < weights / 6  # an eighth of the weights (and of the batch), with some padding
     assert step["argument"] < 4 * weights / 6  # parameters, gradients and two AdamW moments, split 8 ways
     assert backward["output"] < weights / 6  # gradients reduce-scattered, not all-reduced
+    graphs = [{"name": e.name, "role": e.name.rsplit("(", 1)[-1].rstrip(")"), "uses": graph_uses(e.graph),
+               "report": e.report} for e in events]
+    step = step_report(graphs, "tpu:v5e:2x4")
+    per_chip = step["bytes_per_chip"]
+    assert per_chip["parameters"] == per_chip["gradients"] == weights // 8  # counted from the shardings: exact
+    assert per_chip["optimizer_state"] == 2 * weights // 8  # AdamW's two moments
+    assert per_chip["activations"] > 0 and per_chip["inputs"] == 64 * 512 * 4 // 8
+    assert step["fits"] and step["margin_bytes"] == step["hbm_per_chip"] - step["peak_per_chip"]
+    assert step["peak_per_chip"] >= max(r["memory"]["peak"] for r in step["graphs"])
+    assert step["estimated_step_seconds"] > 0 and 0 < step["estimated_mfu"] <= 1
+    text = format_step_report(step)
+    assert "parameters" in text and "fits:" in text and "step time (estimated)" in text
     with pytest.raises(Exception, match="partitioned over 16 devices, but tpu:v5e:2x4 has 8"):
         torch._dynamo.reset()
         torch.compile(net, backend="tpucompile", options={**options, "mesh": {"data": 16}})(

@@ -1,5 +1,6 @@
 """``tpucompile warm``: run a script with the cache on (and ``--target``s compiled and stored too), then
-report hits by tier, misses and the compile time saved; ``--expect-all-hits`` makes a miss an error, for CI."""
+report hits by tier, misses and the compile time saved, and per target the step report (memory per chip by
+use, whether it fits, estimated time); ``--expect-all-hits`` makes a miss an error, for CI."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any
 from tpucompile.cli.common import emit
 from tpucompile.cli.script import run_script, script_settings
 from tpucompile.config import effective_environ
+from tpucompile.debug.step_report import format_step_report, step_report
 
 
 def warm(args: argparse.Namespace) -> int:
@@ -20,7 +22,7 @@ def warm(args: argparse.Namespace) -> int:
         from tpucompile import driver
 
         events: list[Any] = []
-        remove = driver.add_observer(events.append)
+        remove = driver.add_observer(lambda event: events.append(_without_executable(event)))
         start = time.perf_counter()
         try:
             status = run_script(args.script, args.script_args)
@@ -51,6 +53,10 @@ def warm(args: argparse.Namespace) -> int:
     for name, report in document["targets"].items():
         text += (f"\n  {name}: {report['graphs']} graphs, {report['hits']} from the cache, {report['compiled']} "
                  f"compiled and stored ({report['seconds_compiling']:.2f} s), {len(report['failed'])} failed")
+    for name in targets:
+        step = _step_report([e for e in target_events if e.target == name], name)
+        document["targets"][name]["step"] = step
+        text += "\n" + format_step_report(step)
     emit(args, document, text)
     if status:
         return status
@@ -65,6 +71,23 @@ def warm(args: argparse.Namespace) -> int:
         print(f"tpucompile warm: --expect-all-hits, but compiled: {', '.join(names)}", file=sys.stderr)
         return 1
     return 0
+
+
+def _without_executable(event: Any) -> Any:
+    """The event as ``warm`` keeps it: a target's graph counted by use now, and without the compiled executable
+    (for a large model its code alone is gigabytes of host memory)."""
+    import dataclasses
+
+    from tpucompile.debug.uses import graph_uses
+
+    uses = graph_uses(event.graph) if event.target is not None and event.graph is not None else {}
+    return dataclasses.replace(event, executable=None, graph=None, report={**(event.report or {}), "uses": uses})
+
+
+def _step_report(events: list[Any], target: str) -> dict[str, Any]:
+    graphs = [{"name": e.name, "role": e.name.rsplit("(", 1)[-1].split(")")[0] if "(" in e.name else "graph",
+               "uses": (e.report or {}).get("uses", {}), "report": e.report or {}} for e in events if e.error is None]
+    return step_report(graphs, target)
 
 
 def _target_report(events: list[Any]) -> dict[str, Any]:

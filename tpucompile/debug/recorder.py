@@ -64,6 +64,12 @@ class Recorder:
         the graph it was compiled from)."""
         if event.target is not None:
             try:
+                with self._lock:
+                    first = event.name not in self._folders
+                    number = self.count
+                    self.count += first
+                if first:  # a compile-only run compiles for the targets alone: the graph's folder starts here
+                    self._write(number, event)
                 self._write_target(event)
             except Exception as error:
                 log.warning("tpucompile: could not dump %s for %s to %s: %s: %s", event.name, event.target,
@@ -138,6 +144,7 @@ class Recorder:
             "lowering": f"from the {event.program_tier} cache" if event.program_tier else "lowered now",
             "fallback_ops": fallback,
             "saved_for_backward": event.saved_for_backward(),
+            "uses_per_chip": _uses(event.graph),
             "source_files": files,
             "stablehlo_version": version,
             "errors": errors,
@@ -360,6 +367,16 @@ def _spec(spec: Any) -> str:
 
 def _json(document: Any) -> str:
     return json.dumps(document, indent=2, sort_keys=True, default=str) + "\n"
+
+
+def _uses(gm: torch.fx.GraphModule | None) -> dict[str, int] | None:
+    from tpucompile.debug.uses import graph_uses  # torch: only where graphs compile, not where dumps are read
+
+    try:
+        return None if gm is None else graph_uses(gm)
+    except Exception as error:  # a report figure, never a failed dump
+        log.warning("tpucompile: could not count the graph's bytes by use: %s: %s", type(error).__name__, error)
+        return None
 
 
 def _hbm_bytes(device_kind: Any) -> int | None:

@@ -1,10 +1,12 @@
 """The summary tables of a dump: one row per graph, then per compile-only target the memory per chip and
-whether it fits. Printed by ``dump-hlo`` and kept in the dump's ``summary.txt``; works on ``info.json``
-documents alone."""
+whether it fits, and the step report. Printed by ``dump-hlo`` and kept in the dump's ``summary.txt``; works on
+``info.json`` documents alone."""
 
 from __future__ import annotations
 
 from typing import Any
+
+from tpucompile.debug.step_report import format_step_report, step_report
 
 
 def format_summary(infos: list[dict[str, Any]]) -> str:
@@ -22,7 +24,16 @@ def format_summary(infos: list[dict[str, Any]]) -> str:
             _saved(info.get("saved_for_backward")), info["key"][:12], f"{info['compile_ms']:.1f}", cache,
             ",".join(info.get("fallback_ops") or []) or "-",
         ])
-    return "\n".join([_table(rows, {0, 2, 3, 8}), *_target_summaries(infos)])
+    steps = [format_step_report(report) for report in step_reports(infos).values()]
+    return "\n".join([_table(rows, {0, 2, 3, 8}), *_target_summaries(infos), *(["", *steps] if steps else [])])
+
+
+def step_reports(infos: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per compile-only target, the step report of the dumped graphs (``step_report``)."""
+    names = list(dict.fromkeys(t for info in infos for t in info.get("targets", {})))
+    return {name: step_report([{"name": info["name"], "role": info["role"], "uses": info.get("uses_per_chip") or {},
+                                "report": info["targets"][name]} for info in infos if name in info.get("targets", {})],
+                              name) for name in names}
 
 
 def _saved(saved: dict[str, int] | None) -> str:

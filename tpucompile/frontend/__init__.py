@@ -3,18 +3,21 @@ decomposition table AOTAutograd traces with.
 
 Anything that must see a torch-level call whole (``scaled_dot_product_attention``, ``interpolate``) is
 rewritten here, and the arguments of AOTAutograd's graphs their programs may take over are marked
-(``donation``); graphs of meta tensors trace as real ones would (``meta_tracing``). Passes over the ATen
-graphs live in ``tpucompile.passes``.
+(``donation``); graphs of meta tensors trace as real ones would (``meta_tracing``), and each input's use is
+noted (``input_kinds``). Passes over the ATen graphs live in ``tpucompile.passes``.
 """
 
 from tpucompile.frontend.attention import rewrite_attention
 from tpucompile.frontend.decompositions import decomposition_table
 from tpucompile.frontend.donation import mark_donatable
+from tpucompile.frontend.input_kinds import KINDS_KEY, input_kinds
 from tpucompile.frontend.interpolation import rewrite_interpolation
 from tpucompile.frontend.meta_tracing import traced_like_real_tensors
 
 __all__ = [
+    "KINDS_KEY",
     "decomposition_table",
+    "input_kinds",
     "mark_donatable",
     "rewrite_attention",
     "rewrite_interpolation",

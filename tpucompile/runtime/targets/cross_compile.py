@@ -51,7 +51,30 @@ class TargetExecutable:
             memory["argument"] + memory["output"] - memory["alias"] + memory["temp"] + memory["generated_code"])
         cost = cost_analysis(self.executable)
         return {"memory": memory, "flops": cost.get("flops"), "bytes_accessed": cost.get("bytes accessed"),
-                "transcendentals": cost.get("transcendentals"), "optimal_seconds": cost.get("optimal_seconds")}
+                "transcendentals": cost.get("transcendentals"), "optimal_seconds": cost.get("optimal_seconds"),
+                "estimated_cycles": estimated_cycles(self.executable)}
+
+
+_CYCLES = re.compile(r'"estimated_cycles":"(\d+)"')
+
+
+def estimated_cycles(executable: Any) -> int | None:
+    """The sum of the TPU compiler's cycle estimates of the entry computation's instructions (each fusion's
+    figure covers its body), as if none overlapped: a time estimate where ``optimal_seconds`` has none. None
+    where the compiler writes no estimates (other platforms)."""
+    try:
+        text = "\n".join(module.to_string() for module in executable.hlo_modules())
+    except Exception:
+        return None
+    total, found, inside = 0, False, False
+    for line in text.splitlines():
+        if line.startswith("ENTRY "):
+            inside = True
+        elif inside and line.startswith("}"):
+            break
+        elif inside and (match := _CYCLES.search(line)):
+            total, found = total + int(match[1]), True
+    return total if found else None
 
 
 def cost_analysis(executable: Any) -> dict[str, float]:

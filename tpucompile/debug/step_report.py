@@ -1,0 +1,154 @@
+"""The step report of a compile-only target: what one training step holds per chip, by use, whether it fits
+the chip's HBM, and how long XLA's TPU compiler expects it to take; what ``dump-hlo --target`` and ``warm
+--target`` print for planning a TPU job on a machine without one.
+
+Per-chip bytes by use come from the ATen graphs (``uses``); temporaries and each program's peak from XLA's
+memory statistics of the target's compile. The step's peak is an estimate: the largest of each program's peak
+plus what stays resident outside it (the optimiser state, while the forward and backward run). Pure Python, so
+that reading a dump stays quick.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from tpucompile.input_uses import ACTIVATIONS, GRADIENTS, INPUTS, OPTIMIZER_STATE, PARAMETERS, RETURNED_GRADIENTS
+from tpucompile.targets import GENERATIONS
+
+
+def step_report(graphs: Sequence[dict[str, Any]], target: str) -> dict[str, Any]:
+    """One step's report for ``target`` from its graphs, each ``{"name", "role", "uses", "report"}`` (the
+    target's compile report: ``memory``, ``flops``, ``bytes_accessed``, ``optimal_seconds``)."""
+    compiled = [g for g in graphs if g.get("report") and g["report"].get("memory")]
+    steps = [g for g in compiled if g["role"] == "inference" and (g["uses"].get(GRADIENTS) or
+                                                                  g["uses"].get(OPTIMIZER_STATE))]
+    forwards = [g for g in compiled if g["role"] == "forward"] or [g for g in compiled if g not in steps]
+    backwards = [g for g in compiled if g["role"] == "backward"]
+    total = {
+        PARAMETERS: max(_sum(forwards, PARAMETERS), _sum(steps, PARAMETERS)),
+        GRADIENTS: max(_sum(backwards, RETURNED_GRADIENTS), _sum(steps, GRADIENTS)),
+        OPTIMIZER_STATE: _sum(steps, OPTIMIZER_STATE),
+        ACTIVATIONS: _sum(backwards, ACTIVATIONS),
+        INPUTS: _sum(forwards, INPUTS),
+        "temporaries": max((g["report"]["memory"].get("temp", 0) for g in compiled), default=0),
+    }
+    outside = {id(g): total[OPTIMIZER_STATE] for g in forwards + backwards}  # resident while they run
+    peak = max((g["report"]["memory"].get("peak", 0) + outside.get(id(g), 0) for g in compiled), default=0)
+    generation = _generation(target)
+    hbm = generation.hbm_bytes if generation else None
+    estimates = [_program_seconds(g["report"], generation) for g in compiled]
+    seconds = sum(time or 0.0 for time, _ in estimates)
+    bounds = [_roofline_seconds(g["report"], generation) for g in compiled]
+    bound = sum(b for b in bounds if b is not None) if bounds and all(b is not None for b in bounds) else None
+    flops = sum(g["report"].get("flops") or 0 for g in compiled)
+    complete = bool(compiled) and all(time is not None for time, _ in estimates)
+    return {
+        "target": target,
+        "graphs": [{"name": g["name"], "role": g["role"], "memory": g["report"]["memory"],
+                    "flops": g["report"].get("flops"), "estimated_seconds": time, "estimated_by": how}
+                   for g, (time, how) in zip(compiled, estimates, strict=True)],
+        "failed": [g["name"] for g in graphs if g not in compiled],
+        "bytes_per_chip": total,
+        "peak_per_chip": peak,
+        "hbm_per_chip": hbm,
+        "fits": None if hbm is None else peak <= hbm,
+        "suggestion": _suggestion(total, peak, hbm),
+        "margin_bytes": None if hbm is None else hbm - peak,
+        "estimated_step_seconds": seconds if complete else None,
+        "estimated_by": sorted({how for _, how in estimates}),
+        "flops_per_chip": flops,
+        "estimated_mfu": (flops / (seconds * generation.peak_bf16_flops)
+                          if complete and seconds > 0 and generation else None),
+        "roofline_step_seconds": bound,
+        "roofline_mfu": flops / (bound * generation.peak_bf16_flops) if bound and generation else None,
+    }
+
+
+def _suggestion(total: dict[str, int], peak: int, hbm: int | None) -> str | None:
+    """For a step that does not fit: what it spends the chip's memory on, and the mesh that would fit it."""
+    if hbm is None or peak <= hbm:
+        return None
+    split = sum(total[use] for use in (PARAMETERS, GRADIENTS, OPTIMIZER_STATE, ACTIVATIONS))
+    rest = peak - split
+    spent = ", ".join(f"{use.replace('_', ' ')} {total[use] / 2**30:.2f} GiB"
+                      for use in (PARAMETERS, GRADIENTS, OPTIMIZER_STATE, ACTIVATIONS, "temporaries"))
+    text = f"needs {peak / 2**30:.2f} GiB per chip of {hbm / 2**30:.2f} GiB ({spent})"
+    if rest >= hbm:
+        return (text + "; what no data axis splits (temporaries, code) alone exceeds the chip: lower the batch per "
+                "chip or the activation_memory_budget option")
+    factor = 2
+    while rest + split / factor > hbm:
+        factor *= 2
+    return (text + f"; under fully_sharded the parameters, gradients, optimiser state and activations divide by "
+            f"the data axis: a data axis {factor}x larger (more chips, or fewer on the model axis) would need about "
+            f"{(rest + split / factor) / 2**30:.2f} GiB")
+
+
+def _sum(graphs: Sequence[dict[str, Any]], use: str) -> int:
+    return sum(g["uses"].get(use, 0) for g in graphs)
+
+
+def _generation(target: str) -> Any:
+    parts = target.split(":")
+    return GENERATIONS.get(parts[1]) if len(parts) == 3 else None
+
+
+def _program_seconds(report: dict[str, Any], generation: Any) -> tuple[float | None, str]:
+    """XLA's own estimate (``optimal_seconds``) where it gives one; otherwise the compiler's per-instruction
+    cycle estimates at the chip's clock, no overlap assumed; otherwise the roofline bound."""
+    optimal = report.get("optimal_seconds")
+    if optimal is not None and optimal >= 0:
+        return float(optimal), "xla"
+    if generation is not None and report.get("estimated_cycles"):
+        return report["estimated_cycles"] / generation.clock_hz, "cycles"
+    roofline = _roofline_seconds(report, generation)
+    return (roofline, "roofline") if roofline is not None else (None, "none")
+
+
+def _roofline_seconds(report: dict[str, Any], generation: Any) -> float | None:
+    """The least time the program can take: its flops at the chip's peak, or its HBM bytes at its bandwidth."""
+    if generation is None or report.get("flops") is None or report.get("bytes_accessed") is None:
+        return None
+    return max(report["flops"] / generation.peak_bf16_flops, report["bytes_accessed"] / generation.hbm_bytes_per_second)
+
+
+def format_step_report(report: dict[str, Any]) -> str:
+    """The report as text: bytes per chip by use, the fit, the time and MFU estimates and what they leave out."""
+    used = report["bytes_per_chip"]
+    lines = [f"{report['target']}: one step per chip"]
+    for label, key in (("parameters", PARAMETERS), ("gradients", GRADIENTS), ("optimiser state", OPTIMIZER_STATE),
+                       ("activations saved for backward", ACTIVATIONS), ("other inputs (batch, buffers)", INPUTS),
+                       ("temporaries (largest program)", "temporaries")):
+        lines.append(f"  {label:<32} {_gib(used[key])}")
+    hbm = report["hbm_per_chip"]
+    fit = ("unknown (no HBM figure for this chip)" if hbm is None else
+           f"{'fits' if report['fits'] else 'DOES NOT FIT'}: {_gib(report['peak_per_chip'])} of {_gib(hbm)} HBM, "
+           f"margin {_gib(report['margin_bytes'])}")
+    lines.append(f"  peak (estimated)                 {fit}")
+    if report["suggestion"]:
+        lines.append(f"  {report['suggestion']}")
+    seconds = report["estimated_step_seconds"]
+    how = {"xla": "XLA's cost model", "cycles": "the compiler's cycles per instruction, no overlap",
+           "roofline": "the roofline"}
+    basis = " and ".join(how.get(b, b) for b in report["estimated_by"])
+    if seconds is None:
+        lines.append("  step time                        no estimate (a program did not compile or gave no figures)")
+    else:
+        lines.append(f"  step time (estimated)            {seconds * 1e3:.1f} ms by {basis}; MFU "
+                     f"{report['estimated_mfu']:.0%}")
+    if report["roofline_step_seconds"] is not None:
+        lines.append(f"  step time (roofline bound)       {report['roofline_step_seconds'] * 1e3:.1f} ms (flops at the "
+                     f"peak bf16 rate or bytes at HBM bandwidth, per program); MFU at most "
+                     f"{report['roofline_mfu']:.0%}")
+    lines.append("  (MFU: the programs' own flops per chip over the step time at the chip's peak; neither estimate "
+                 "counts time on the chip interconnect)")
+    if report["failed"]:
+        lines.append(f"  not compiled: {', '.join(report['failed'])}")
+    return "\n".join(lines)
+
+
+def _gib(count: float | None) -> str:
+    if count is None:
+        return "-"
+    return f"{count / 2**30:.2f} GiB" if abs(count) >= 2**30 else f"{count / 2**20:.1f} MiB"

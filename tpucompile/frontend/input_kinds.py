@@ -1,0 +1,37 @@
+"""What each input of the ATen graphs AOTAutograd makes from a Dynamo graph holds: a parameter, a parameter's
+gradient, an optimiser's state, or another input (the batch, a buffer). Step reports count per-chip memory by
+these uses.
+
+AOTAutograd's graphs take the Dynamo graph's attributes first (a compiled optimiser step holds the parameters
+and its state as attributes), then its inputs; ``primals_N`` / ``argN_1`` is the N-th of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.fx
+
+from tpucompile.input_uses import GRADIENTS, INPUTS, KINDS_KEY, OPTIMIZER_STATE, PARAMETERS
+
+__all__ = ["KINDS_KEY", "input_kinds"]
+
+
+def input_kinds(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[str | None, ...]:
+    """The kind of every input AOTAutograd passes to the graphs of ``gm`` (None for non-tensors)."""
+    lifted = [*gm.named_parameters(remove_duplicate=False), *gm.named_buffers(remove_duplicate=False)]
+    parameters = [t for _, t in lifted if isinstance(t, torch.nn.Parameter)]
+    gradients = {id(p.grad) for p in parameters if p.grad is not None}
+    kinds: list[str | None] = [PARAMETERS if isinstance(t, torch.nn.Parameter) else OPTIMIZER_STATE for _, t in lifted]
+    for example in example_inputs:
+        if not isinstance(example, torch.Tensor):
+            kinds.append(None)
+        elif isinstance(example, torch.nn.Parameter):
+            kinds.append(PARAMETERS)
+        elif id(example) in gradients:
+            kinds.append(GRADIENTS)
+        else:
+            kinds.append(INPUTS)
+    return tuple(kinds)
