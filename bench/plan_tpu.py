@@ -1,0 +1,122 @@
+"""Plan a TPU-scale training step on this machine: a Llama-shaped model on meta weights (no host memory is
+spent on them), its forward, backward and AdamW step compiled for a TPU slice that is not here, sharded with
+FSDP (or FSDP x TP), and the step report: bytes per chip by use, whether it fits, estimated time and MFU.
+
+    python bench/plan_tpu.py --model 8b --target tpu:v5p:4x4x4 --mesh data=64 --shard fsdp --batch 64
+    python bench/plan_tpu.py --model 8b --target tpu:v5e:4x4 --mesh data=4,model=4 --shard fsdp+tp --batch 16
+
+Prints the wall time to trace and compile every graph, the process's peak resident memory, and the step
+report (``--json FILE`` writes them). The model is ``examples/llama.py``'s at the named shape, in bfloat16
+(parameters, gradients and AdamW's state alike), trained on ``--length`` tokens per sequence.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import resource
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
+
+from llama import Llama, LlamaConfig
+
+import tpucompile
+from tpucompile import driver
+from tpucompile.debug.step_report import format_step_report, step_report
+from tpucompile.debug.uses import graph_uses
+
+SHAPES = {
+    "8b": dict(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, hidden_dim=14336),
+    "70b": dict(vocab_size=128256, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, hidden_dim=28672),
+    "tiny": dict(vocab_size=32000, dim=512, n_layers=2, n_heads=8, n_kv_heads=4, hidden_dim=1408),
+}
+"""Llama 3 8B and 70B as their configs give them; ``tiny`` for a quick try."""
+
+COLUMN = ["layers.*.attention.wq", "layers.*.attention.wk", "layers.*.attention.wv", "layers.*.feed_forward.w1",
+          "layers.*.feed_forward.w3"]
+ROW = ["layers.*.attention.wo", "layers.*.feed_forward.w2"]
+
+
+def plan(mesh: tpucompile.Mesh, shard: str) -> tpucompile.ShardPlan:
+    if shard == "fsdp":
+        return tpucompile.fully_sharded(mesh)
+    if shard == "fsdp+tp":
+        return tpucompile.fully_sharded(mesh) + tpucompile.tensor_parallel(mesh, column=COLUMN, row=ROW)
+    raise SystemExit(f"--shard is fsdp or fsdp+tp, not {shard!r}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=sorted(SHAPES), default="8b")
+    parser.add_argument("--layers", type=int, help="override the shape's layer count")
+    parser.add_argument("--target", default="tpu:v5p:4x4x4")
+    parser.add_argument("--mesh", default="data=64")
+    parser.add_argument("--shard", default="fsdp")
+    parser.add_argument("--batch", type=int, default=64, help="sequences per step (global)")
+    parser.add_argument("--length", type=int, default=2048, help="tokens per sequence")
+    parser.add_argument("--cache-dir", help="store the executables here (default: the cache off)")
+    parser.add_argument("--json", help="write the figures to this file")
+    args = parser.parse_args()
+
+    shape = dict(SHAPES[args.model], max_seq_len=args.length, rope_theta=500000.0)
+    if args.layers:
+        shape["n_layers"] = args.layers
+    mesh = tpucompile.Mesh.parse(args.mesh)
+    options = {"targets": [args.target], "mesh": mesh, "shard": plan(mesh, args.shard),
+               **({"cache_dir": args.cache_dir} if args.cache_dir else {"cache_mode": "off"})}
+    graphs, failed = [], {}
+
+    def observe(event: driver.CompileEvent) -> None:
+        """Keep the figures, not the event: it holds the compiled executable (its code alone is gigabytes)."""
+        if event.error is not None:
+            failed[event.name] = event.error
+        elif event.target == args.target:
+            graphs.append({"name": event.name, "role": event.name.rsplit("(", 1)[-1].split(")")[0],
+                           "uses": graph_uses(event.graph), "report": event.report or {}})
+
+    remove = driver.add_observer(observe)
+    start = time.perf_counter()
+    with torch.device("meta"):
+        model = Llama(LlamaConfig(**shape)).to(torch.bfloat16)
+    parameters = sum(p.numel() for p in model.parameters())
+    tokens = torch.zeros(args.batch, args.length, dtype=torch.long, device="meta")
+    compiled = torch.compile(model, backend="tpucompile", options=options)
+    loss = compiled(tokens, targets=tokens)
+    loss.backward()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    torch.compile(optimizer.step, backend="tpucompile", options=options)()
+    seconds = time.perf_counter() - start
+    remove()
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    report = step_report(graphs, args.target)
+    model_flops = 6 * parameters * args.batch * args.length
+    step = report["estimated_step_seconds"]
+    chips = mesh.size
+    mfu_6nd = model_flops / (step * chips * tpucompile.targets.GENERATIONS[args.target.split(":")[1]].peak_bf16_flops
+                             ) if step else None
+    print(f"{args.model} ({parameters / 1e9:.2f} B parameters, {shape['n_layers']} layers), {args.batch} x "
+          f"{args.length} tokens, {args.shard} on {mesh!r}, {args.target}")
+    print(f"traced and compiled {len(graphs)} graphs in {seconds:.0f} s; peak host memory {rss / 2**30:.2f} GiB")
+    for graph in report["graphs"]:
+        print(f"  {graph['name']}: peak {graph['memory']['peak'] / 2**30:.2f} GiB per chip, "
+              f"{(graph['flops'] or 0) / 1e12:.2f} TFLOP per chip")
+    print(format_step_report(report))
+    if mfu_6nd is not None:
+        print(f"  MFU by 6 x parameters x tokens: {mfu_6nd:.0%}")
+    for name, error in failed.items():
+        print(f"  {name} failed: {error}")
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps({
+            "model": args.model, "shape": shape, "parameters": parameters, "batch": args.batch,
+            "length": args.length, "target": args.target, "mesh": args.mesh, "shard": args.shard,
+            "seconds": seconds, "peak_host_bytes": rss, "failed": failed, "report": report,
+            "mfu_6nd": mfu_6nd}, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()
