@@ -1,6 +1,8 @@
 """Session-wide test settings and the fixtures many test files share."""
 
+import json
 import os
+import pathlib
 import shutil
 import tempfile
 
@@ -71,3 +73,15 @@ def _fresh_dynamo():
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
+
+
+@pytest.fixture(scope="session")
+def opinfo_floor_sweep(tmp_path_factory) -> tuple[list[dict], pathlib.Path]:
+    """The OpInfo floor's samples (``floor.json``: the first samples of every op, float32), run once with a
+    persistent cache of their own: (every sample's outcome, the cache). The floor test reads the outcomes; the
+    warm-start test replays the programs from the cache in another fresh process."""
+    from tests.opinfo.runs import FLOOR, run_sweep
+
+    root = tmp_path_factory.mktemp("opinfo")
+    floor = json.loads(FLOOR.read_text())
+    return run_sweep(root / "cache", "read-write", floor["max_samples"], root / "cold.json"), root / "cache"

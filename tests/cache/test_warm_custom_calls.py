@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import subprocess
 import sys
 
@@ -13,6 +12,7 @@ import pytest
 import torch
 
 from tests.cache.cache_helpers import compile_and_run, workload_env
+from tests.opinfo.runs import run_sweep
 from tpucompile.cache import Entry, LocalStore, decode, encode
 from tpucompile.runtime import custom_calls, get_target
 
@@ -115,19 +115,13 @@ def test_an_entry_calling_an_unregistered_target_is_a_logged_miss(tmp_path, monk
 
 
 @pytest.mark.slow
-def test_opinfo_programs_replay_warm_in_a_fresh_process(tmp_path):
+def test_opinfo_programs_replay_warm_in_a_fresh_process(opinfo_floor_sweep, tmp_path):
     """Every kind of program the OpInfo sweep compiles (its first float32 sample of each op) is compiled in one
-    process and replayed from the cache, compile forbidden, in another: same outcome for every sample."""
-    sweep = os.path.join(os.path.dirname(os.path.dirname(__file__)), "opinfo", "sweep.py")
-    outcomes = {}
-    for mode in ("read-write", "strict"):
-        out = tmp_path / f"{mode}.json"
-        env = workload_env(tmp_path / "cache", TPUCOMPILE_CACHE_MODE=mode, TPUCOMPILE_FALLBACK="error")
-        done = subprocess.run([sys.executable, sweep, "--max-samples", "1", "--json", str(out), "--quiet"],
-                              capture_output=True, text=True, env=env, timeout=1200)
-        assert done.returncode == 0, f"{mode} sweep: exit code {done.returncode}\n{done.stderr[-3000:]}"
-        outcomes[mode] = {(r["op"], r["index"]): r["outcome"] for r in json.loads(out.read_text())}
-    cold, warm = outcomes["read-write"], outcomes["strict"]
+    process (the floor's sweep) and replayed from the cache, compile forbidden, in another: same outcome for
+    every sample."""
+    results, cache = opinfo_floor_sweep
+    cold = {(r["op"], r["index"]): r["outcome"] for r in results if r["index"] == 0}
+    warm = {(r["op"], r["index"]): r["outcome"] for r in run_sweep(cache, "strict", 1, tmp_path / "warm.json")}
     assert sum(outcome == "pass" for outcome in cold.values()) > 500
     changed = {sample: (cold[sample], warm.get(sample)) for sample in cold if warm.get(sample) != cold[sample]}
     assert not changed, changed

@@ -1,7 +1,9 @@
 """The OpInfo floor: the float32 pass count may not drop, and no sample that passed may stop passing.
 
-CI runs the first samples of every OpInfo (``floor.json`` says how many); the full sweep over every sample
-and dtype is ``python tests/opinfo/sweep.py --dtypes float32 bfloat16 int64 bool --markdown docs/coverage.md``.
+CI runs the first samples of every OpInfo (``floor.json`` says how many), in fresh processes with a cache
+of their own (``opinfo_floor_sweep`` in ``tests/conftest.py``; the warm-start tests replay it); the full sweep
+over every sample and dtype is
+``python tests/opinfo/sweep.py --dtypes float32 bfloat16 int64 bool --markdown docs/coverage.md``.
 Regenerate the floor after adding lowerings with ``python -m tests.opinfo.test_opinfo --write-floor``
 (or ``--write-floor --from-json RESULTS.json`` to take it from a sweep's ``--json`` output).
 """
@@ -31,10 +33,10 @@ def _passing(results: list[sweep.SampleResult]) -> set[str]:
 
 
 @pytest.mark.slow
-def test_opinfo_float32_floor():
+def test_opinfo_float32_floor(opinfo_floor_sweep):
     with open(FLOOR) as source:
         floor = json.load(source)
-    results = _run(floor["max_samples"])
+    results = [sweep.SampleResult(**r) for r in opinfo_floor_sweep[0] if r["index"] < floor["max_samples"]]
     passing = _passing(results)
     regressed = sorted(set(floor["passing"]) - passing)
     assert not regressed, f"{len(regressed)} samples stopped passing: {regressed[:30]}"
