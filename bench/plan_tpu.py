@@ -50,6 +50,12 @@ def plan(mesh: tpucompile.Mesh, shard: str) -> tpucompile.ShardPlan:
     raise SystemExit(f"--shard is fsdp or fsdp+tp, not {shard!r}")
 
 
+def _resident_bytes() -> int:
+    """This process's resident memory now (Linux)."""
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * resource.getpagesize()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=sorted(SHAPES), default="8b")
@@ -69,15 +75,16 @@ def main() -> None:
     mesh = tpucompile.Mesh.parse(args.mesh)
     options = {"targets": [args.target], "mesh": mesh, "shard": plan(mesh, args.shard),
                **({"cache_dir": args.cache_dir} if args.cache_dir else {"cache_mode": "off"})}
-    graphs, failed = [], {}
+    graphs: list[dict] = []
 
     def observe(event: driver.CompileEvent) -> None:
         """Keep the figures, not the event: it holds the compiled executable (its code alone is gigabytes)."""
-        if event.error is not None:
-            failed[event.name] = event.error
-        elif event.target == args.target:
+        if event.target == args.target:
             graphs.append({"name": event.name, "role": event.name.rsplit("(", 1)[-1].split(")")[0],
-                           "uses": graph_uses(event.graph), "report": event.report or {}})
+                           "uses": graph_uses(event.graph), "report": event.report or {},
+                           "error": None if event.error is None else str(event.error),
+                           "out_of_memory": event.out_of_memory,
+                           "done_at_seconds": time.perf_counter() - start, "host_bytes_then": _resident_bytes()})
 
     remove = driver.add_observer(observe)
     start = time.perf_counter()
@@ -102,19 +109,19 @@ def main() -> None:
     print(f"{args.model} ({parameters / 1e9:.2f} B parameters, {shape['n_layers']} layers), {args.batch} x "
           f"{args.length} tokens, {args.shard} on {mesh!r}, {args.target}")
     print(f"traced and compiled {len(graphs)} graphs in {seconds:.0f} s; peak host memory {rss / 2**30:.2f} GiB")
-    for graph in report["graphs"]:
+    for graph, seen in zip(report["graphs"], [g for g in graphs if not g["error"]], strict=True):
         print(f"  {graph['name']}: peak {graph['memory']['peak'] / 2**30:.2f} GiB per chip, "
-              f"{(graph['flops'] or 0) / 1e12:.2f} TFLOP per chip")
+              f"{(graph['flops'] or 0) / 1e12:.2f} TFLOP per chip; compiled at {seen['done_at_seconds']:.0f} s, "
+              f"host memory then {seen['host_bytes_then'] / 2**30:.2f} GiB")
     print(format_step_report(report))
     if mfu_6nd is not None:
         print(f"  MFU by 6 x parameters x tokens: {mfu_6nd:.0%}")
-    for name, error in failed.items():
-        print(f"  {name} failed: {error}")
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps({
             "model": args.model, "shape": shape, "parameters": parameters, "batch": args.batch,
             "length": args.length, "target": args.target, "mesh": args.mesh, "shard": args.shard,
-            "seconds": seconds, "peak_host_bytes": rss, "failed": failed, "report": report,
+            "seconds": seconds, "peak_host_bytes": rss, "report": report,
+            "compiled": [{k: g[k] for k in ("name", "done_at_seconds", "host_bytes_then")} for g in graphs],
             "mfu_6nd": mfu_6nd}, indent=1, default=str))
 
 

@@ -257,6 +257,11 @@ def test_an_optimiser_step_names_parameters_gradients_and_state_after_the_module
     parameters = ["layers.0.weight", "layers.0.bias", "layers.1.weight", "layers.1.bias"]
     assert [v.name for v in step[:4]] == parameters  # lifted first, as AOTAutograd passes them
     assert [v.name for v in step[-4:]] == parameters  # the gradients, the step's own inputs
+    assert all(v.is_state for v in step)  # so that a plan's rules for parameters (tensor_parallel's) apply
+    mesh = Mesh({"model": 2})
+    plan = tensor_parallel(mesh, column=["layers.0"], row=["layers.1"])
+    dims = plan.resolve(step, mesh)
+    assert dims[0] == dims[-4] == (("model",), ()) and dims[2] == dims[-2] == ((), ("model",))
     state = [v for v in step[4:-4] if v.shape]
     assert sorted(v.name for v in state) == sorted(parameters * 2)  # exp_avg and exp_avg_sq of each
     assert all(v.shape == dict((p.name, p.shape) for p in step[:4])[v.name] for v in state)

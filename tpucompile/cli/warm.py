@@ -86,7 +86,9 @@ def _without_executable(event: Any) -> Any:
 
 def _step_report(events: list[Any], target: str) -> dict[str, Any]:
     graphs = [{"name": e.name, "role": e.name.rsplit("(", 1)[-1].split(")")[0] if "(" in e.name else "graph",
-               "uses": (e.report or {}).get("uses", {}), "report": e.report or {}} for e in events if e.error is None]
+               "uses": (e.report or {}).get("uses", {}), "report": e.report or {},
+               "error": str(e.error) if e.error is not None else None, "out_of_memory": e.out_of_memory}
+              for e in events]
     return step_report(graphs, target)
 
 

@@ -19,12 +19,16 @@ from tpucompile.targets import GENERATIONS
 
 def step_report(graphs: Sequence[dict[str, Any]], target: str) -> dict[str, Any]:
     """One step's report for ``target`` from its graphs, each ``{"name", "role", "uses", "report"}`` (the
-    target's compile report: ``memory``, ``flops``, ``bytes_accessed``, ``optimal_seconds``)."""
-    compiled = [g for g in graphs if g.get("report") and g["report"].get("memory")]
-    steps = [g for g in compiled if g["role"] == "inference" and (g["uses"].get(GRADIENTS) or
-                                                                  g["uses"].get(OPTIMIZER_STATE))]
-    forwards = [g for g in compiled if g["role"] == "forward"] or [g for g in compiled if g not in steps]
-    backwards = [g for g in compiled if g["role"] == "backward"]
+    target's compile report: ``memory``, ``flops``, ``bytes_accessed``, ``optimal_seconds``), with ``error``
+    and ``out_of_memory`` for a graph the target did not compile."""
+    compiled = [g for g in graphs if g.get("report") and g["report"].get("memory") and not g.get("error")]
+    failed = [g for g in graphs if g not in compiled]
+    out_of_memory = any(g.get("out_of_memory") or (g.get("report") or {}).get("fits") is False for g in failed)
+    # bytes by use come from the graphs' shardings: counted for the graphs that did not compile too
+    steps = [g for g in graphs if g["role"] == "inference" and (g["uses"].get(GRADIENTS) or
+                                                                g["uses"].get(OPTIMIZER_STATE))]
+    forwards = [g for g in graphs if g["role"] == "forward"] or [g for g in graphs if g not in steps]
+    backwards = [g for g in graphs if g["role"] == "backward"]
     total = {
         PARAMETERS: max(_sum(forwards, PARAMETERS), _sum(steps, PARAMETERS)),
         GRADIENTS: max(_sum(backwards, RETURNED_GRADIENTS), _sum(steps, GRADIENTS)),
@@ -42,17 +46,17 @@ def step_report(graphs: Sequence[dict[str, Any]], target: str) -> dict[str, Any]
     bounds = [_roofline_seconds(g["report"], generation) for g in compiled]
     bound = sum(b for b in bounds if b is not None) if bounds and all(b is not None for b in bounds) else None
     flops = sum(g["report"].get("flops") or 0 for g in compiled)
-    complete = bool(compiled) and all(time is not None for time, _ in estimates)
+    complete = bool(compiled) and not failed and all(time is not None for time, _ in estimates)
     return {
         "target": target,
         "graphs": [{"name": g["name"], "role": g["role"], "memory": g["report"]["memory"],
                     "flops": g["report"].get("flops"), "estimated_seconds": time, "estimated_by": how}
                    for g, (time, how) in zip(compiled, estimates, strict=True)],
-        "failed": [g["name"] for g in graphs if g not in compiled],
+        "failed": {g["name"]: g.get("error") or "not compiled" for g in failed},
         "bytes_per_chip": total,
         "peak_per_chip": peak,
         "hbm_per_chip": hbm,
-        "fits": None if hbm is None else peak <= hbm,
+        "fits": False if out_of_memory else None if hbm is None or failed else peak <= hbm,
         "suggestion": _suggestion(total, peak, hbm),
         "margin_bytes": None if hbm is None else hbm - peak,
         "estimated_step_seconds": seconds if complete else None,
@@ -60,8 +64,8 @@ def step_report(graphs: Sequence[dict[str, Any]], target: str) -> dict[str, Any]
         "flops_per_chip": flops,
         "estimated_mfu": (flops / (seconds * generation.peak_bf16_flops)
                           if complete and seconds > 0 and generation else None),
-        "roofline_step_seconds": bound,
-        "roofline_mfu": flops / (bound * generation.peak_bf16_flops) if bound and generation else None,
+        "roofline_step_seconds": bound if complete else None,
+        "roofline_mfu": flops / (bound * generation.peak_bf16_flops) if complete and bound and generation else None,
     }
 
 
@@ -122,9 +126,14 @@ def format_step_report(report: dict[str, Any]) -> str:
                        ("temporaries (largest program)", "temporaries")):
         lines.append(f"  {label:<32} {_gib(used[key])}")
     hbm = report["hbm_per_chip"]
-    fit = ("unknown (no HBM figure for this chip)" if hbm is None else
-           f"{'fits' if report['fits'] else 'DOES NOT FIT'}: {_gib(report['peak_per_chip'])} of {_gib(hbm)} HBM, "
-           f"margin {_gib(report['margin_bytes'])}")
+    if report["failed"]:
+        fit = ("DOES NOT FIT: a program needs more than the chip's HBM (below)" if report["fits"] is False else
+               "unknown: a program did not compile (below)")
+    elif hbm is None:
+        fit = "unknown (no HBM figure for this chip)"
+    else:
+        fit = (f"{'fits' if report['fits'] else 'DOES NOT FIT'}: {_gib(report['peak_per_chip'])} of {_gib(hbm)} "
+               f"HBM, margin {_gib(report['margin_bytes'])}")
     lines.append(f"  peak (estimated)                 {fit}")
     if report["suggestion"]:
         lines.append(f"  {report['suggestion']}")
@@ -134,17 +143,19 @@ def format_step_report(report: dict[str, Any]) -> str:
     basis = " and ".join(how.get(b, b) for b in report["estimated_by"])
     if seconds is None:
         lines.append("  step time                        no estimate (a program did not compile or gave no figures)")
+    elif report["estimated_mfu"] is None:
+        lines.append(f"  step time (estimated)            {seconds * 1e3:.1f} ms by {basis}")
     else:
         lines.append(f"  step time (estimated)            {seconds * 1e3:.1f} ms by {basis}; MFU "
                      f"{report['estimated_mfu']:.0%}")
-    if report["roofline_step_seconds"] is not None:
+    if report["roofline_step_seconds"] is not None and report["roofline_mfu"] is not None:
         lines.append(f"  step time (roofline bound)       {report['roofline_step_seconds'] * 1e3:.1f} ms (flops at the "
                      f"peak bf16 rate or bytes at HBM bandwidth, per program); MFU at most "
                      f"{report['roofline_mfu']:.0%}")
     lines.append("  (MFU: the programs' own flops per chip over the step time at the chip's peak; neither estimate "
                  "counts time on the chip interconnect)")
-    if report["failed"]:
-        lines.append(f"  not compiled: {', '.join(report['failed'])}")
+    for name, error in report["failed"].items():
+        lines.append(f"  {name}: {error}")
     return "\n".join(lines)
 
 

@@ -11,10 +11,11 @@ AOTAutograd names the placeholders of its graphs after Dynamo's inputs: ``argN_1
 ``primals_N`` (forward, and the saved inputs of a backward) is input N-1. The values a forward saves for its
 backward are left to XLA's propagation; ``record_layouts`` notes how the forward program returned each (by
 node name, which the backward's placeholders share), and the backward expects them laid out the same way, so
-they pass from one program to the other without being sent again. Under a fully sharded plan they are split
-along the first dimension the data axis divides instead, in both programs: activations then take 1/N of each
-chip's memory whatever XLA would choose, and the programs do not depend on another program's compile (a
-compile-only run and a run on the slice annotate them alike). Gradients of the outputs are replicated.
+they pass from one program to the other without being sent again. Under a plan that is fully sharded and
+nothing else they are split along the first dimension the data axis divides instead, in both programs:
+activations then take 1/N of each chip's memory whatever XLA would choose, and the programs do not depend on
+another program's compile (a compile-only run and a run on the slice annotate them alike). Gradients of the
+outputs are replicated.
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ def annotate_shardings(gm: torch.fx.GraphModule, mesh: Mesh, plan: ShardPlan, pr
     bound = plan.bound or ()
     backward = any(p.name.startswith("tangents_") for p in placeholders)
     spread = plan.spread_axis(mesh) if processes == 1 else None
+    # Saved activations follow the plan only when it is fully sharded and nothing else: beside tensor
+    # parallelism, XLA splits them over the model axis too, which a data-axis annotation would undo.
+    spread_saved = spread if all(rule.spread is not None for rule in plan.rules) else None
     insert_after = placeholders[-1]
     for placeholder in placeholders:
         val = placeholder.meta.get("val")
@@ -49,7 +53,7 @@ def annotate_shardings(gm: torch.fx.GraphModule, mesh: Mesh, plan: ShardPlan, pr
         if backward and not _PRIMAL.fullmatch(placeholder.name):
             saved = plan.layouts.get(placeholder.name)
             dims = saved if saved is not None and len(saved) == val.dim() else dims
-            if spread is not None and not placeholder.name.startswith("tangents_"):
+            if spread_saved is not None and not placeholder.name.startswith("tangents_"):
                 dims = spread_dims(((),) * val.dim(), tuple(val.shape), spread, mesh)
         with graph.inserting_after(insert_after):
             node = graph.call_function(shard_annotation, (placeholder, encode_sharding(mesh.axes, dims)))
@@ -79,9 +83,9 @@ def annotate_shardings(gm: torch.fx.GraphModule, mesh: Mesh, plan: ShardPlan, pr
     dtensors: dict[int, tuple[str, int]] = {}
     for position, result in enumerate(results):
         if position >= returned and result not in wrapped:
-            if spread is not None and _computed_tensor(result):  # fully sharded: activations split too
+            if spread_saved is not None and _computed_tensor(result):  # fully sharded: activations split too
                 result = _annotated(graph, output, result, spread_dims(
-                    ((),) * result.meta["val"].dim(), tuple(result.meta["val"].shape), spread, mesh), mesh)
+                    ((),) * result.meta["val"].dim(), tuple(result.meta["val"].shape), spread_saved, mesh), mesh)
             new_results.append(result)  # otherwise saved for the backward laid out as XLA finds best
             continue
         # An output of the user's (or, from a backward, the gradient of input `position`) may have dims to keep

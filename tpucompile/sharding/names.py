@@ -87,7 +87,9 @@ def graph_inputs(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> lis
         )
         if is_state and name == input_name(source or ""):
             _remember(example, name)
-        name = _gradient_name(example) or name
+        gradient_of = _gradient_name(example)
+        if gradient_of is not None:  # laid out as its parameter: the rules for parameters apply to it too
+            name, is_state = gradient_of, True
         shape = tuple(int(s) for s in example.shape)
         found.append(GraphValue(name, shape, is_state, str(example.dtype).removeprefix("torch.")))
     return found

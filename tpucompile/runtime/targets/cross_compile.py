@@ -62,18 +62,20 @@ def estimated_cycles(executable: Any) -> int | None:
     """The sum of the TPU compiler's cycle estimates of the entry computation's instructions (each fusion's
     figure covers its body), as if none overlapped: a time estimate where ``optimal_seconds`` has none. None
     where the compiler writes no estimates (other platforms)."""
+    total, found = 0, False
     try:
-        text = "\n".join(module.to_string() for module in executable.hlo_modules())
+        modules = executable.hlo_modules()
     except Exception:
         return None
-    total, found, inside = 0, False, False
-    for line in text.splitlines():
-        if line.startswith("ENTRY "):
-            inside = True
-        elif inside and line.startswith("}"):
-            break
-        elif inside and (match := _CYCLES.search(line)):
+    for module in modules:
+        text = module.to_string()  # a large program's text is hundreds of MB: read it in place, no line copies
+        start = text.find("\nENTRY ")
+        if start < 0:
+            continue
+        end = text.find("\n}", start)
+        for match in _CYCLES.finditer(text, start, end if end >= 0 else len(text)):
             total, found = total + int(match[1]), True
+        del text
     return total if found else None
 
 
