@@ -296,3 +296,31 @@ def test_step_report_from_graph_reports():
     assert small["suggestion"].startswith("needs 24.00 GiB per chip of 15.75 GiB (parameters 2.00 GiB, ")
     assert "a data axis 4x larger" in small["suggestion"] and "about 15.75 GiB" in small["suggestion"]
     assert report["suggestion"] is None
+
+
+def test_progress_lines_on_a_terminal_only(monkeypatch):
+    """warm and dump-hlo print a line per compiled graph to a terminal (TPU compiles of large graphs take
+    minutes), and nothing under --json or into a pipe."""
+    import argparse
+    import io
+    import types
+
+    from tpucompile.cli.common import progress_lines
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    terminal = Terminal()
+    monkeypatch.setattr("sys.stderr", terminal)
+    line = progress_lines(argparse.Namespace(json=False))
+    event = types.SimpleNamespace(name="graph 0 (backward)", target="tpu:v5p:4x4x4", error=None, cache_hit=False,
+                                  compile_seconds=61.25)
+    line(event)
+    line(types.SimpleNamespace(**{**vars(event), "cache_hit": True, "target": None}))
+    lines = terminal.getvalue().splitlines()
+    assert lines[0].startswith("tpucompile: 1: graph 0 (backward) for tpu:v5p:4x4x4: compiled in 61.2 s (")
+    assert lines[1].startswith("tpucompile: 2: graph 0 (backward) for this machine: from the cache (")
+    assert progress_lines(argparse.Namespace(json=True)) is None
+    monkeypatch.setattr("sys.stderr", io.StringIO())
+    assert progress_lines(argparse.Namespace(json=False)) is None

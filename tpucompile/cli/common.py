@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+import time
+from collections.abc import Callable
 from typing import Any
 
 from tpucompile.config import Options
@@ -35,3 +38,23 @@ def options(args: argparse.Namespace) -> Options:
 def target_names(args: argparse.Namespace) -> list[str]:
     """The ``--target`` names, checked and in their canonical spelling."""
     return list(dict.fromkeys(str(parse_target(name)) for name in getattr(args, "targets", None) or []))
+
+
+def progress_lines(args: argparse.Namespace) -> Callable[[Any], None] | None:
+    """An observer printing one line per compiled graph to a terminal's stderr (what it was compiled for, how
+    long it took, time since the command started): a TPU compile of a large graph takes minutes. None when
+    stderr is not a terminal or ``--json`` asks for one document."""
+    if getattr(args, "json", False) or not sys.stderr.isatty():
+        return None
+    start, count = time.perf_counter(), 0
+
+    def line(event: Any) -> None:
+        nonlocal count
+        count += 1
+        where = event.target or "this machine"
+        outcome = ("failed" if event.error is not None else "from the cache" if event.cache_hit
+                   else f"compiled in {event.compile_seconds:.1f} s")
+        print(f"tpucompile: {count}: {event.name} for {where}: {outcome} ({time.perf_counter() - start:.0f} s "
+              "elapsed)", file=sys.stderr, flush=True)
+
+    return line

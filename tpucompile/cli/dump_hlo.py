@@ -9,7 +9,7 @@ import os
 import sys
 
 from tpucompile.cache import PersistentCache, default_root
-from tpucompile.cli.common import Failure, emit, options, target_names
+from tpucompile.cli.common import Failure, emit, options, progress_lines, target_names
 from tpucompile.cli.script import print_script_traceback, run_script, script_settings, stdout_to_stderr
 from tpucompile.debug import programs, reader, recorder
 from tpucompile.debug.layout import STAGES
@@ -71,6 +71,11 @@ def _dump_script(args: argparse.Namespace) -> None:
         except OSError as error:
             raise Failure(EXIT_OUT_NOT_WRITABLE, f"cannot write the dump to {args.out}: "
                                                  f"{error.strerror or error}") from None
+        progress, remove = progress_lines(args), None
+        if progress is not None:
+            from tpucompile import driver  # the script compiles in this process: torch is loaded anyway
+
+            remove = driver.add_observer(progress)
         try:
             with stdout_to_stderr():
                 status = run_script(script, args.script_args)
@@ -80,6 +85,8 @@ def _dump_script(args: argparse.Namespace) -> None:
                                               f"{_kept(recording.count, args.out)}") from None
         finally:
             recorder.stop()
+            if remove is not None:
+                remove()
     if status:
         raise Failure(EXIT_SCRIPT_FAILED, f"{script} exited with status {status}; "
                                           f"{_kept(recording.count, args.out)}")

@@ -9,7 +9,7 @@ import sys
 import time
 from typing import Any
 
-from tpucompile.cli.common import emit
+from tpucompile.cli.common import emit, progress_lines
 from tpucompile.cli.script import run_script, script_settings
 from tpucompile.config import effective_environ
 from tpucompile.debug.step_report import format_step_report, step_report
@@ -22,7 +22,14 @@ def warm(args: argparse.Namespace) -> int:
         from tpucompile import driver
 
         events: list[Any] = []
-        remove = driver.add_observer(lambda event: events.append(_without_executable(event)))
+        progress = progress_lines(args)
+
+        def observe(event: Any) -> None:
+            if progress is not None:
+                progress(event)
+            events.append(_without_executable(event))
+
+        remove = driver.add_observer(observe)
         start = time.perf_counter()
         try:
             status = run_script(args.script, args.script_args)
