@@ -111,7 +111,9 @@ def _program_seconds(report: dict[str, Any], generation: Any) -> tuple[float | N
 
 
 def _roofline_seconds(report: dict[str, Any], generation: Any) -> float | None:
-    """The least time the program can take: its flops at the chip's peak, or its HBM bytes at its bandwidth."""
+    """The roofline time of a program: its flops at the chip's peak or XLA's bytes accessed at the chip's HBM
+    bandwidth, whichever is longer. Not a strict lower bound: XLA's bytes accessed adds up every instruction's
+    operands and results, including what stays on chip."""
     if generation is None or report.get("flops") is None or report.get("bytes_accessed") is None:
         return None
     return max(report["flops"] / generation.peak_bf16_flops, report["bytes_accessed"] / generation.hbm_bytes_per_second)
@@ -149,8 +151,10 @@ def format_step_report(report: dict[str, Any]) -> str:
         lines.append(f"  step time (estimated)            {seconds * 1e3:.1f} ms by {basis}; MFU "
                      f"{report['estimated_mfu']:.0%}")
     if report["roofline_step_seconds"] is not None and report["roofline_mfu"] is not None:
-        lines.append(f"  step time (roofline bound)       {report['roofline_step_seconds'] * 1e3:.1f} ms (flops at the "
-                     f"peak bf16 rate or bytes at HBM bandwidth, per program); MFU at most "
+        seconds = report["roofline_step_seconds"]
+        lines.append(f"  step time (roofline)             {seconds * 1e3:.1f} ms (per program the larger of"
+                     f" its flops at the peak bf16 rate and XLA's bytes accessed at HBM bandwidth; those "
+                     f"bytes count every instruction's operands, more than reach HBM); MFU "
                      f"{report['roofline_mfu']:.0%}")
     lines.append("  (MFU: the programs' own flops per chip over the step time at the chip's peak; neither estimate "
                  "counts time on the chip interconnect)")
