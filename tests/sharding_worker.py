@@ -3,7 +3,8 @@ device count must be set before jax starts); each prints one JSON line.
 
     python sharding_worker.py gpt                 # 8 devices: GPT inference and 3 AdamW steps under DP, TP,
                                                   # DP x TP, against one device and eager
-    python sharding_worker.py host ID PORT DIR    # one of 2 processes x 4 devices sharing a mesh
+    python sharding_worker.py host ID PORT DIR [PLAN]  # one of 2 processes x 4 devices sharing a mesh
+                                                  # (PLAN: dp_tp, the default, or fsdp)
     python sharding_worker.py dtensor ID PORT DIR # one of 2 processes (torch ranks) x 1 device: DTensor inputs
 """
 
@@ -250,14 +251,15 @@ def kept_output() -> dict:
             "consumer_placements": consumer.placements}
 
 
-def host(process_id: int, port: int, cache_dir: str) -> None:
-    """One of two processes with 4 CPU devices each, sharing a 2 x 4 mesh through jax.distributed."""
+def host(process_id: int, port: int, cache_dir: str, plan: str = "dp_tp") -> None:
+    """One of two processes with 4 CPU devices each, sharing a 2 x 4 mesh through jax.distributed, under
+    DP x TP or under FSDP (every parameter split over the 8 devices, half in each process)."""
     torch.manual_seed(0)
     initial = GPT(CONFIG)
-    mesh = Mesh({"data": 2, "model": 4})
+    mesh = Mesh({"data": 2, "model": 4}) if plan == "dp_tp" else Mesh({"data": 8})
     options = {
         "mesh": mesh,
-        "shard": data_parallel(mesh) + tensor_parallel(mesh, column=COLUMN, row=ROW),
+        "shard": data_parallel(mesh) + tensor_parallel(mesh, column=COLUMN, row=ROW) if plan == "dp_tp" else "fsdp",
         "coordinator": f"127.0.0.1:{port}",
         "num_processes": 2,
         "process_id": process_id,
@@ -338,7 +340,7 @@ if __name__ == "__main__":
     if sys.argv[1] == "gpt":
         gpt()
     elif sys.argv[1] == "host":
-        host(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+        host(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], *sys.argv[5:])
     else:
         dtensor(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
     sys.stdout.flush()

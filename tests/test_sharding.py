@@ -459,11 +459,12 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _two_processes(scenario: str, tmp_path) -> list[dict]:
+def _two_processes(scenario: str, tmp_path, *extra: str) -> list[dict]:
     """Run ``scenario`` of the worker as processes 0 and 1, on loopback; their JSON reports."""
     port = _free_port()
     environ = _environment(tmp_path)
-    workers = [subprocess.Popen([sys.executable, WORKER, scenario, str(i), str(port), str(tmp_path / "cache")],
+    workers = [subprocess.Popen([sys.executable, WORKER, scenario, str(i), str(port), str(tmp_path / "cache"),
+                                 *extra],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environ, cwd=HERE)
                for i in range(2)]
     outputs = []
@@ -480,10 +481,11 @@ def _two_processes(scenario: str, tmp_path) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_two_processes_share_one_mesh(tmp_path):
-    """2 processes x 4 CPU devices, coordinated by jax.distributed on loopback: a DP x TP GPT run in each,
-    one compile per program between them (the other process finds it in the shared cache)."""
-    outputs = _two_processes("host", tmp_path)
+@pytest.mark.parametrize("plan", ["dp_tp", "fsdp"])
+def test_two_processes_share_one_mesh(tmp_path, plan):
+    """2 processes x 4 CPU devices, coordinated by jax.distributed on loopback: a DP x TP (or FSDP) GPT run in
+    each, one compile per program between them (the other process finds it in the shared cache)."""
+    outputs = _two_processes("host", tmp_path, plan)
     assert sorted(o["process"] for o in outputs) == [0, 1]
     for output in outputs:
         assert (output["processes"], output["local_devices"], output["devices"]) == (2, 4, 8)
