@@ -54,7 +54,7 @@ def annotate_shardings(gm: torch.fx.GraphModule, mesh: Mesh, plan: ShardPlan, pr
             saved = plan.layouts.get(placeholder.name)
             dims = saved if saved is not None and len(saved) == val.dim() else dims
             if spread_saved is not None and not placeholder.name.startswith("tangents_"):
-                dims = spread_dims(((),) * val.dim(), tuple(val.shape), spread, mesh)
+                dims = spread_dims(((),) * val.dim(), tuple(val.shape), spread_saved, mesh)
         with graph.inserting_after(insert_after):
             node = graph.call_function(shard_annotation, (placeholder, encode_sharding(mesh.axes, dims)))
         node.meta["val"] = val
@@ -107,10 +107,7 @@ def annotate_shardings(gm: torch.fx.GraphModule, mesh: Mesh, plan: ShardPlan, pr
             if result not in wrapped:
                 rank = result.meta["val"].dim()
                 dims = dims if dims is not None and len(dims) == rank else ((),) * rank
-                with graph.inserting_before(output):
-                    node = graph.call_function(shard_annotation, (result, encode_sharding(mesh.axes, dims)))
-                node.meta["val"] = result.meta["val"]
-                wrapped[result] = node
+                wrapped[result] = _annotated(graph, output, result, dims, mesh)
             result = wrapped[result]
         new_results.append(result)
     output.args = (new_results[0] if single else type(output.args[0])(new_results),)
@@ -125,6 +122,7 @@ def _computed_tensor(value: Any) -> bool:
 
 def _annotated(graph: torch.fx.Graph, output: torch.fx.Node, value: torch.fx.Node, dims: Dims,
                mesh: Mesh) -> torch.fx.Node:
+    """``value`` laid out as ``dims``: an annotation node just before the graph's output."""
     with graph.inserting_before(output):
         node = graph.call_function(shard_annotation, (value, encode_sharding(mesh.axes, dims)))
     node.meta["val"] = value.meta["val"]
