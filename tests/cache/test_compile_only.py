@@ -177,3 +177,28 @@ def test_a_fully_sharded_step_compiles_for_a_slice_larger_than_this_machine(tmp_
         torch._dynamo.reset()
         torch.compile(net, backend="tpucompile", options={**options, "mesh": {"data": 16}})(
             torch.randn(64, 512, device="meta"))
+
+
+@needs_libtpu
+def test_a_compile_only_run_is_dumped_with_its_step_report(tmp_path):
+    """dump-hlo of a meta model: every graph gets its folder although nothing compiled for this machine, with
+    its bytes per chip by use, and the summary ends with the target's step report."""
+    from tpucompile.debug import reader, recorder
+    from tpucompile.debug.report import format_summary, step_reports
+
+    with torch.device("meta"):
+        net = _LossNet()
+    recorder.start(tmp_path / "dump")
+    try:
+        options = {"targets": [TARGET], "cache_mode": "off"}
+        torch.compile(net, backend="tpucompile", options=options)(
+            torch.randn(8, 16, device="meta"), torch.randint(0, 10, (8,), device="meta")).backward()
+    finally:
+        recorder.stop()
+    infos = reader.read_dump(tmp_path / "dump")
+    assert [info["role"] for info in infos] == ["forward", "backward"]
+    assert all(TARGET in info["targets"] and info["uses_per_chip"]["parameters"] > 0 for info in infos)
+    weights = sum(p.numel() * 4 for p in net.parameters())
+    report = step_reports(infos)[TARGET]
+    assert report["bytes_per_chip"]["parameters"] == weights and report["fits"]
+    assert f"{TARGET}: one step per chip" in format_summary(infos)
