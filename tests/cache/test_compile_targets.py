@@ -289,8 +289,10 @@ def test_dump_hlo_for_a_tpu_slice_reports_memory_per_chip(example, tmp_path):
     lines = result.stdout.splitlines()
     title = lines.index(f"{TARGET}: memory per chip (of 15.75 GiB HBM)")
     assert lines[title + 1].split()[:7] == ["graph", "role", "arguments", "outputs", "temporaries", "code", "peak"]
-    rows = lines[title + 2:]
+    end = lines.index("", title)  # the table, then the step report
+    rows = lines[title + 2:end]
     assert len(rows) == 3 and all(re.search(r" yes \((<0\.1|\d+\.\d)%\) ", row) for row in rows), rows
+    assert lines[end + 1] == f"{TARGET}: one step per chip" and "fits:" in "\n".join(lines[end + 1:])
     for graph in range(3):
         stage = _cli("dump-hlo", "--out", str(out), "--target", TARGET, "--stage", "optimized", "--graph", str(graph),
                      env=env)
