@@ -5,15 +5,13 @@ sharding annotation splits it over the mesh. Runs where graphs compile; step rep
 from __future__ import annotations
 
 import math
-import re
 
 import torch
 import torch.fx
 
 from tpucompile.input_uses import ACTIVATIONS, INPUTS, KINDS_KEY, RETURNED_GRADIENTS, USES
+from tpucompile.sharding.annotate import input_index
 from tpucompile.sharding.plan import decode_sharding, shard_annotation
-
-_PRIMAL = re.compile(r"primals_(\d+)|arg(\d+)_1")
 
 
 def graph_uses(gm: torch.fx.GraphModule) -> dict[str, int]:
@@ -26,11 +24,10 @@ def graph_uses(gm: torch.fx.GraphModule) -> dict[str, int]:
     for placeholder in placeholders:
         if not isinstance(placeholder.meta.get("val"), torch.Tensor) or placeholder.name.startswith("tangents_"):
             continue
-        match = _PRIMAL.fullmatch(placeholder.name)
-        if match is None:
+        index = input_index(placeholder.name)
+        if index is None:
             kind = ACTIVATIONS if backward else INPUTS
         else:
-            index = int(match[1]) - 1 if match[1] else int(match[2])
             kind = (kinds[index] if index < len(kinds) else None) or INPUTS
         uses[kind] += _per_chip(placeholder, next((u for u in placeholder.users if u.target is shard_annotation),
                                                   None))

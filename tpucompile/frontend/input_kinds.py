@@ -15,13 +15,14 @@ import torch
 import torch.fx
 
 from tpucompile.input_uses import GRADIENTS, INPUTS, KINDS_KEY, OPTIMIZER_STATE, PARAMETERS
+from tpucompile.sharding.names import lifted_attributes
 
 __all__ = ["KINDS_KEY", "input_kinds"]
 
 
 def input_kinds(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[str | None, ...]:
     """The kind of every input AOTAutograd passes to the graphs of ``gm`` (None for non-tensors)."""
-    lifted = [*gm.named_parameters(remove_duplicate=False), *gm.named_buffers(remove_duplicate=False)]
+    lifted = lifted_attributes(gm)
     parameters = [t for _, t in lifted if isinstance(t, torch.nn.Parameter)]
     gradients = {id(p.grad) for p in parameters if p.grad is not None}
     kinds: list[str | None] = [PARAMETERS if isinstance(t, torch.nn.Parameter) else OPTIMIZER_STATE for _, t in lifted]

@@ -152,13 +152,19 @@ def result_layouts(shardings: Sequence[Any], shapes: Sequence[tuple[int, ...]],
     """The dims of each result of an executable compiled for a mesh, from its output ``OpSharding``s (None
     where no dims describe it)."""
     partitions = int(np.prod([size for _, size in mesh_axes]))
-    found: list[Dims | None] = []
-    for sharding, shape in zip(shardings, shapes, strict=True):
-        layout = hlo_layout(sharding, tuple(shape), partitions)
-        whole = tuple((0, size) for size in shape)
-        found.append(((),) * len(shape) if all(i == whole for i in layout) else mesh_dims(layout, tuple(shape),
-                                                                                          mesh_axes))
-    return found
+    return [_layout_dims(hlo_layout(sharding, tuple(shape), partitions), tuple(shape), mesh_axes)
+            for sharding, shape in zip(shardings, shapes, strict=True)]
+
+
+def _replicated(layout: Sequence[Index], shape: tuple[int, ...]) -> bool:
+    whole = tuple((0, size) for size in shape)
+    return all(index == whole for index in layout)
+
+
+def _layout_dims(layout: Sequence[Index], shape: tuple[int, ...], mesh_axes: Sequence[tuple[str, int]]
+                 ) -> Dims | None:
+    """The dims of a result laid out as ``layout`` (None where no dims describe it)."""
+    return ((),) * len(shape) if _replicated(layout, shape) else mesh_dims(layout, shape, mesh_axes)
 
 
 def _slices(index: Index) -> tuple[slice, ...]:
@@ -208,8 +214,7 @@ class _Result:
         self.keep = keep
         """Remember the device array of each value returned (another program is likely to take it)."""
         layout = hlo_layout(hlo_sharding, self.shape, len(devices))
-        whole = tuple((0, size) for size in self.shape)
-        self.replicated = all(index == whole for index in layout)
+        self.replicated = _replicated(layout, self.shape)
         local = {d for d in mesh.devices.flat if d.process_index == jax.process_index()}
         seen: set[Index] = set()
         self.pieces: list[tuple[Any, Index]] = []
@@ -217,7 +222,7 @@ class _Result:
             if device in local and index not in seen:
                 seen.add(index)
                 self.pieces.append((device, index))
-        self.dims = ((),) * len(self.shape) if self.replicated else mesh_dims(layout, self.shape, mesh_axes)
+        self.dims = _layout_dims(layout, self.shape, mesh_axes)
         self.sharding = NamedSharding(mesh, _spec(self.dims)) if self.dims is not None else None
         self.complete = self.replicated or _covers(self.pieces, self.shape)
 

@@ -173,12 +173,18 @@ _PRIMAL = re.compile(r"primals_(\d+)")
 _ARG = re.compile(r"arg(\d+)_1")
 
 
-def _placeholder_dims(name: str, bound: Sequence[Dims | None], rank: int) -> Dims:
-    index = None
+def input_index(name: str) -> int | None:
+    """Which of AOTAutograd's inputs (in its order) the placeholder ``name`` is: ``primals_N`` is N-1, ``argN_1``
+    is N; None for other placeholders (a backward's saved values and tangents)."""
     if match := _PRIMAL.fullmatch(name):
-        index = int(match[1]) - 1
-    elif match := _ARG.fullmatch(name):
-        index = int(match[1])
+        return int(match[1]) - 1
+    if match := _ARG.fullmatch(name):
+        return int(match[1])
+    return None
+
+
+def _placeholder_dims(name: str, bound: Sequence[Dims | None], rank: int) -> Dims:
+    index = input_index(name)
     dims = bound[index] if index is not None and 0 <= index < len(bound) else None
     if dims is None or len(dims) != rank:
         return ((),) * rank

@@ -75,6 +75,7 @@ def graph_inputs(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> lis
     parameters = [tensor for _, tensor in lifted if isinstance(tensor, torch.nn.Parameter)]
     found = [_state_value(name, tensor, parameters) for name, tensor in lifted]
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    gradients = _known_gradients()
     for index, example in enumerate(example_inputs):
         node = placeholders[index] if index < len(placeholders) else None
         source = _source_name(node)
@@ -87,7 +88,7 @@ def graph_inputs(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> lis
         )
         if is_state and name == input_name(source or ""):
             _remember(example, name)
-        gradient_of = _gradient_name(example)
+        gradient_of = gradients.get(id(example))
         if gradient_of is not None:  # laid out as its parameter: the rules for parameters apply to it too
             name, is_state = gradient_of, True
         shape = tuple(int(s) for s in example.shape)
@@ -117,13 +118,14 @@ def _known_name(tensor: torch.Tensor) -> str | None:
     return entry[1] if entry is not None and entry[0]() is tensor else None
 
 
-def _gradient_name(tensor: torch.Tensor) -> str | None:
-    """The name of the known parameter whose ``.grad`` ``tensor`` is."""
+def _known_gradients() -> dict[int, str]:
+    """id(gradient) → the name of the known parameter whose ``.grad`` it is."""
+    found = {}
     for ref, name in list(_known.values()):
         parameter = ref()
-        if parameter is not None and parameter.grad is tensor:
-            return name
-    return None
+        if parameter is not None and parameter.grad is not None:
+            found[id(parameter.grad)] = name
+    return found
 
 
 _STATE_INDEX = re.compile(r"state___(\d+)_")
