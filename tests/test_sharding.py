@@ -143,7 +143,7 @@ def test_fully_sharded_plan_splits_every_tensor_along_the_first_dimension_it_div
     }
     odd = [GraphValue("w", (3, 6), True, "float32"), GraphValue("b", (3,), True, "float32")]
     assert fully_sharded(mesh).resolve(odd, mesh) == (((), ("data",)), ((),))  # the first dimension 2 divides
-    assert fully_sharded(mesh).splits_gradients and not data_parallel(mesh).splits_gradients
+    assert fully_sharded(mesh).spread_axis(mesh) == "data" and data_parallel(mesh).spread_axis(mesh) is None
 
 
 def test_fully_sharded_composes_with_tensor_parallel_in_either_order():

@@ -94,7 +94,7 @@ def annotate_shardings(gm: torch.fx.GraphModule, mesh: Mesh, plan: ShardPlan, pr
         dims = None
         if backward and ("input", position) in plan.dtensors:
             dims = bound[position]
-        elif backward and plan.splits_gradients and processes == 1 and position < len(bound):
+        elif backward and spread is not None and position < len(bound):
             dims = bound[position]  # fully sharded: the gradient is reduce-scattered, laid out as its parameter
         elif not backward and first_user is not None and 0 <= source[1] < len(kept):
             dims = kept[source[1]]

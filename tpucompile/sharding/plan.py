@@ -239,14 +239,9 @@ class ShardPlan:
                 raise ShardingError(_unmatched_message(rule, inputs, mesh))
         return tuple(resolved)
 
-    @property
-    def splits_gradients(self) -> bool:
-        """Whether gradients come back laid out like their parameters (fully sharded data parallelism:
-        XLA reduce-scatters them) rather than whole."""
-        return any(rule.spread is not None for rule in self.rules)
-
     def spread_axis(self, mesh: Mesh) -> str | None:
-        """The mesh axis a fully sharded plan splits everything over (None for other plans)."""
+        """The mesh axis a fully sharded plan splits everything over, gradients included (they come back laid
+        out like their parameters: XLA reduce-scatters them); None for other plans."""
         rule = next((r for r in self.rules if r.spread is not None), None)
         return None if rule is None else rule.spread or _data_axis(mesh)
 
