@@ -15,6 +15,7 @@ from typing import Any
 
 from tpucompile.input_uses import ACTIVATIONS, GRADIENTS, INPUTS, OPTIMIZER_STATE, PARAMETERS, RETURNED_GRADIENTS
 from tpucompile.targets import GENERATIONS
+from tpucompile.targets import parse as parse_target
 
 
 def step_report(graphs: Sequence[dict[str, Any]], target: str) -> dict[str, Any]:
@@ -44,7 +45,7 @@ def step_report(graphs: Sequence[dict[str, Any]], target: str) -> dict[str, Any]
     estimates = [_program_seconds(g["report"], generation) for g in compiled]
     seconds = sum(time or 0.0 for time, _ in estimates)
     bounds = [_roofline_seconds(g["report"], generation) for g in compiled]
-    bound = sum(b for b in bounds if b is not None) if bounds and all(b is not None for b in bounds) else None
+    bound = sum(bounds) if bounds and None not in bounds else None
     flops = sum(g["report"].get("flops") or 0 for g in compiled)
     complete = bool(compiled) and not failed and all(time is not None for time, _ in estimates)
     return {
@@ -94,8 +95,8 @@ def _sum(graphs: Sequence[dict[str, Any]], use: str) -> int:
 
 
 def _generation(target: str) -> Any:
-    parts = target.split(":")
-    return GENERATIONS.get(parts[1]) if len(parts) == 3 else None
+    generation = parse_target(target).generation
+    return None if generation is None else GENERATIONS[generation]
 
 
 def _program_seconds(report: dict[str, Any], generation: Any) -> tuple[float | None, str]:
