@@ -166,18 +166,20 @@ def run_cells(model: str, mode: str, order: list[str], folder: pathlib.Path, arg
             continue
         cold = Process(model, mode, backend, envs[backend], args, serve=False)
         first = cold.read()
-        cells[backend] = {"cold": {**first, **cold.finish()}, "step_ms": []}
+        cells[backend] = {"cold": {**first, **cold.finish()}, "step_ms": [], "turn_ms": []}
     warm: dict[str, Process] = {}
     for backend in order:
         process = warm[backend] = Process(model, mode, backend, envs[backend], args, serve=True)
-        cells.setdefault(backend, {"step_ms": []})["warm"] = process.read()
+        cells.setdefault(backend, {"step_ms": [], "turn_ms": []})["warm"] = process.read()
     share = max(3, math.ceil(args.iters / args.rounds))
     for turn in range(args.rounds):
         shift = turn % len(order)
         for backend in order[shift:] + order[:shift]:
             answer = warm[backend].ask({"op": "steps", "iters": share, "warmup": 2,
                                         "budget": args.budget / args.rounds})
-            cells[backend]["step_ms"] += answer.get("step_ms", [])
+            steps = answer.get("step_ms", [])
+            cells[backend]["step_ms"] += steps
+            cells[backend]["turn_ms"].append(statistics.median(steps) if steps else math.nan)
     for backend, process in warm.items():
         cell = cells[backend]
         cell["warm"] = {**cell["warm"], **process.finish()}  # peak memory, or the error the child died of
@@ -193,10 +195,22 @@ def summarize(cell: dict) -> dict:
     median = statistics.median(steps)
     return {
         "step_ms": median, "step_min_ms": min(steps), "step_max_ms": max(steps), "steps": len(steps),
+        "turn_ms": cell["turn_ms"],
         "compile_s": max(0.0, cold["first_s"] - median / 1e3),
         "warm_start_s": warm["to_first_result_s"],
         "peak_mb": max(cold["peak_bytes"], warm["peak_bytes"]) / 2**20,
     }
+
+
+def paired_ratio(numerator: dict, denominator: dict) -> str:
+    """The median (and range) of the ratios of two backends' median steps turn by turn: the two turns of a
+    round run back to back, so drift that moves the whole machine from minute to minute cancels in each ratio,
+    and the range shows how far one round can stray."""
+    turns = zip(numerator.get("turn_ms", []), denominator.get("turn_ms", []), strict=True)
+    ratios = [a / b for a, b in turns if not (math.isnan(a) or math.isnan(b))]
+    if not ratios:
+        return "-"
+    return f"{statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f})"
 
 
 def geomean(values: list[float]) -> float:
@@ -236,14 +250,15 @@ def table(results: dict, backends: list[str], modes: list[str], models: list[str
     if not speedups:
         lines.append("| - | - | (eager was not run: no speedups) | - |")
     if {"tpucompile", "tpucompile-xla"} <= set(backends):
-        lines += ["", "| model | mode | tpucompile / tpucompile-xla step time (host kernels' effect; < 1 is a gain) |",
-                  "|---|---|---:|"]
+        lines += ["", "| model | mode | tpucompile / tpucompile-xla step time (host kernels' effect; < 1 is a gain) "
+                  "| per turn: median (min-max) |", "|---|---|---:|---:|"]
         for model in models:
             for mode in modes:
                 with_kernels = results.get(f"{model}/{mode}/tpucompile", {})
                 without = results.get(f"{model}/{mode}/tpucompile-xla", {})
                 if "step_ms" in with_kernels and "step_ms" in without:
-                    lines.append(f"| {model} | {mode} | {with_kernels['step_ms'] / without['step_ms']:.3f} |")
+                    lines.append(f"| {model} | {mode} | {with_kernels['step_ms'] / without['step_ms']:.3f} | "
+                                 f"{paired_ratio(with_kernels, without)} |")
     return "\n".join(lines)
 
 
