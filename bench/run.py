@@ -16,6 +16,10 @@ Every cell runs in fresh Python processes with its own empty cache directories:
   whose speed drifts from minute to minute;
 * memory: the peak resident set size of the backend's processes.
 
+With tpucompile and tpucompile-xla both run, a last table gives the host kernels' effect: the ratio of their
+median steps, and the median (and range) of the per-turn ratios of the two, whose turns of a round run back to
+back, so the drift between rounds cancels.
+
 A training step is forward, backward and an SGD step. The order of the backends rotates from turn to turn and
 from cell to cell. The results are printed as a markdown table and written as JSON, markdown and a PNG chart
 of the speedup over eager.
