@@ -21,7 +21,7 @@ import torch.fx
 from tpucompile import artifacts, diagnostics
 from tpucompile.cache import MemoryStore
 from tpucompile.config import Options
-from tpucompile.errors import CompileError, LoweringError, TpuCompileWarning, UnsupportedOpError
+from tpucompile.errors import CompileError, LoweringError, TpuCompileError, TpuCompileWarning, UnsupportedOpError
 from tpucompile.lowering import LoweredProgram, ShapeBindings, is_symbolic
 from tpucompile.lowering.graph import has_data_dependent_size, unsupported_reason
 from tpucompile.lowering.sharding import program_shardings
@@ -218,7 +218,9 @@ def _returns_tuple(gm: torch.fx.GraphModule) -> bool:
 
 
 class _EagerGraph:
-    """Runs a partitioned graph as Python: eager ATen ops between compiled regions."""
+    """Runs a partitioned graph as Python: eager ATen ops between compiled regions. On meta inputs (a
+    compile-only run) an eager op that has no meta kernel fails; the error then names that op and the user's
+    source line, not the generated code of the graph."""
 
     def __init__(self, gm: torch.fx.GraphModule, constants: list[torch.Tensor]) -> None:
         self.gm = gm
@@ -226,7 +228,41 @@ class _EagerGraph:
         self._boxed_call = True
 
     def __call__(self, args: list[Any]) -> Any:
-        return self.gm(*args, *self.constants)
+        try:
+            return self.gm(*args, *self.constants)
+        except TpuCompileError:
+            raise
+        except Exception as error:
+            if not any(isinstance(a, torch.Tensor) and a.is_meta for a in args):
+                raise
+            node = _failing_node(self.gm, [*args, *self.constants])
+            if node is None:
+                raise
+            raise UnsupportedOpError(
+                f"{diagnostics.describe_node(node)} runs in eager PyTorch here (tpucompile has no lowering for "
+                f"it), and it cannot run on the meta tensors of a compile-only run: {str(error).splitlines()[0]}"
+            ) from error
+
+
+def _failing_node(gm: torch.fx.GraphModule, args: list[Any]) -> torch.fx.Node | None:
+    """The node of ``gm`` whose op raises on ``args`` (meta tensors: running the graph again costs nothing)."""
+
+    class _Tracking(torch.fx.Interpreter):
+        failed: torch.fx.Node | None = None
+
+        def run_node(self, node: torch.fx.Node) -> Any:
+            try:
+                return super().run_node(node)
+            except Exception:
+                self.failed = self.failed or node
+                raise
+
+    interpreter = _Tracking(gm)
+    try:
+        interpreter.run(*args)
+    except Exception:
+        return interpreter.failed
+    return None
 
 
 def _compile_region(

@@ -4,6 +4,7 @@ on this machine, outputs with the right shapes and dtypes (``meta`` for a model 
 from __future__ import annotations
 
 import importlib.util
+import pathlib
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from tpucompile.cache import PersistentCache
 from tpucompile.config import Options
 from tpucompile.debug.step_report import format_step_report, step_report
 from tpucompile.debug.uses import graph_uses
-from tpucompile.errors import OptionsError
+from tpucompile.errors import OptionsError, UnsupportedOpError
 
 TARGET = "tpu:v5e:1x1"
 needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
@@ -85,6 +86,68 @@ def test_meta_inputs_without_targets_and_compile_only_without_targets_are_refuse
     torch._dynamo.reset()
     with pytest.raises(Exception, match="compile_only compiles for targets only"):
         torch.compile(_Net(), backend="tpucompile", options={"compile_only": True})(torch.randn(2, 16))
+
+
+@torch.library.custom_op("tpucompile_test::positives", mutates_args=())
+def _positives(x: torch.Tensor) -> torch.Tensor:
+    return x[x > 0]
+
+
+@_positives.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(torch.library.get_ctx().new_dynamic_size())  # a size only the values decide
+
+
+class _Routed(torch.nn.Module):
+    """Calls an op with no lowering whose fake implementation works but whose meta one cannot (its result
+    size depends on the values), like a mixture-of-experts router's token selection."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.up(x)
+        return y + _positives(y).sum()  # the line the error must name
+
+
+@needs_libtpu
+def test_an_op_that_cannot_run_on_meta_tensors_is_named_with_its_source_line():
+    """Dynamo hands the op over inside a graph; it runs in eager PyTorch between compiled regions, where a
+    meta tensor cannot give it values: the error names the op and the model's line, not the graph's code."""
+    with torch.device("meta"):
+        net = _Routed()
+    line = _Routed.forward.__code__.co_firstlineno + 2
+    options = {"targets": [TARGET], "compile_only": True, "cache_mode": "off", "fallback": "eager"}
+    with (torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True), torch.no_grad(),
+          pytest.raises(UnsupportedOpError) as raised):
+        torch.compile(net, backend="tpucompile", options=options)(torch.randn(4, 16, device="meta"))
+    message = str(raised.value)
+    assert "tpucompile_test.positives" in message and "cannot run on the meta tensors" in message, message
+    assert f"test_compile_only.py:{line} in forward" in message, message
+
+
+class _Counted(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.up(x) + torch.bincount(x.long().flatten(), minlength=16)[:16]
+
+
+@needs_libtpu
+def test_an_op_dynamo_runs_outside_the_graphs_on_meta_tensors_keeps_torch_s_error_and_the_user_s_frame():
+    """``bincount`` has no meta kernel, so Dynamo breaks the graph there and calls it on the meta tensors
+    itself: the error is PyTorch's, naming the op, raised from the model's own line (tpucompile compiled
+    the graph before it and does not hide it)."""
+    with torch.device("meta"):
+        net = _Counted()
+    options = {"targets": [TARGET], "compile_only": True, "cache_mode": "off"}
+    with pytest.raises(NotImplementedError, match="aten::bincount") as raised:
+        torch.compile(net, backend="tpucompile", options=options)(torch.randn(4, 16, device="meta"))
+    frames = [f for f in raised.traceback if f.path == pathlib.Path(__file__)]
+    assert frames[-1].lineno + 1 == _Counted.forward.__code__.co_firstlineno + 1, frames[-1]
 
 
 def test_compile_only_option_and_environment_variable():
