@@ -29,6 +29,7 @@ import tpucompile
 from tpucompile import driver
 from tpucompile.debug.step_report import format_step_report, step_report
 from tpucompile.debug.uses import graph_uses
+from tpucompile.runtime.host_memory import limit_heap_arenas
 
 SHAPES = {
     "8b": dict(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, hidden_dim=14336),
@@ -68,6 +69,7 @@ def main() -> None:
     parser.add_argument("--cache-dir", help="store the executables here (default: the cache off)")
     parser.add_argument("--json", help="write the figures to this file")
     args = parser.parse_args()
+    limit_heap_arenas()  # as `tpucompile warm --target` does for itself
 
     shape = dict(SHAPES[args.model], max_seq_len=args.length, rope_theta=500000.0)
     if args.layers:

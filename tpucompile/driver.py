@@ -35,6 +35,7 @@ from tpucompile.runtime import (
     get_target,
     process_count,
 )
+from tpucompile.runtime.host_memory import release_free_memory
 from tpucompile.runtime.targets.compile_only import compile_targets, spanning
 from tpucompile.sharding.annotate import record_layouts
 from tpucompile.sharding.plan import Dims
@@ -433,4 +434,7 @@ def _compile_for_targets(
         elif layouts is None and outcome.report.get("result_dims") is not None:
             layouts = [None if d is None else tuple(tuple(axes) for axes in d) for d in outcome.report["result_dims"]]
         _notify(name, gm, target_program, program_tier, outcome)
+        if outcome.executable is not None:  # compiled now: its code (a gigabyte for a large program) goes first
+            outcome = None
+            release_free_memory()
     return layouts

@@ -88,6 +88,23 @@ def test_meta_inputs_without_targets_and_compile_only_without_targets_are_refuse
         torch.compile(_Net(), backend="tpucompile", options={"compile_only": True})(torch.randn(2, 16))
 
 
+@needs_libtpu
+def test_each_graph_compiled_for_a_target_hands_its_freed_memory_back(monkeypatch):
+    """After every target compile (not after a cache hit), the heap's free pages go back to the system, so
+    that the next graph's compile does not start from what the last one left."""
+    released: list[str] = []
+    monkeypatch.setattr(driver, "release_free_memory", lambda: released.append("released") or True)
+    with torch.device("meta"):
+        net = _Net()
+    options = {"targets": [TARGET], "compile_only": True, "cache_mode": "off"}
+    events, remove = _events()
+    try:
+        torch.compile(net, backend="tpucompile", options=options)(torch.randn(8, 16, device="meta")).sum().backward()
+    finally:
+        remove()
+    assert len(events) == 2 and len(released) == 2, (len(events), released)
+
+
 @torch.library.custom_op("tpucompile_test::positives", mutates_args=())
 def _positives(x: torch.Tensor) -> torch.Tensor:
     return x[x > 0]

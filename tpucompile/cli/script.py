@@ -21,12 +21,16 @@ def script_settings(args: argparse.Namespace, **overrides: str) -> Iterator[list
     """Within the block, every graph compiled uses ``--dir`` as its cache directory, is also compiled for
     each ``--target`` (added to ``TPUCOMPILE_TARGETS``), and sees ``overrides`` (option name → the text of
     its ``TPUCOMPILE_<NAME>`` variable). The targets are checked first: a missing libtpu or an unknown
-    topology fails before the script runs. Yields the target names."""
+    topology fails before the script runs. With targets, the process caps glibc's heap arenas
+    (``host_memory``). Yields the target names."""
     if args.dir:
         overrides["cache_dir"] = args.dir
     names = target_names(args)
     if names:
+        from tpucompile.runtime.host_memory import limit_heap_arenas
         from tpucompile.runtime.targets.compile_only import compile_targets
+
+        limit_heap_arenas()  # this process is the command's: a large target compile peaks ~1 GiB lower
 
         compile_targets(tuple(names), options(args).platform)
         present = [n for n in effective_environ().get("TPUCOMPILE_TARGETS", "").split(",") if n.strip()]
