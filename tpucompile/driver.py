@@ -237,7 +237,7 @@ class _EagerGraph:
             if not any(isinstance(a, torch.Tensor) and a.is_meta for a in args):
                 raise
             node = _failing_node(self.gm, [*args, *self.constants])
-            if node is None:
+            if node is None or node.op != "call_function":  # not one of the eager ops
                 raise
             raise UnsupportedOpError(
                 f"{diagnostics.describe_node(node)} runs in eager PyTorch here (tpucompile has no lowering for "
