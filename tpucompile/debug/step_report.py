@@ -86,8 +86,9 @@ def _suggestion(total: dict[str, int], peak: int, hbm: int | None) -> str | None
     while rest + split / factor > hbm:
         factor *= 2
     return (text + f"; under fully_sharded the parameters, gradients, optimiser state and activations divide by "
-            f"the data axis: a data axis {factor}x larger (more chips, or fewer on the model axis) would need about "
-            f"{(rest + split / factor) / 2**30:.2f} GiB")
+            f"the data axis: a data axis {factor}x larger at the same global batch (more chips, or fewer on the "
+            f"model axis; the batch must divide over it) would need about {(rest + split / factor) / 2**30:.2f} GiB, "
+            f"or save fewer activations for the backward (a lower activation_memory_budget option)")
 
 
 def _sum(graphs: Sequence[dict[str, Any]], use: str) -> int:
