@@ -89,20 +89,24 @@ def test_meta_inputs_without_targets_and_compile_only_without_targets_are_refuse
 
 
 @needs_libtpu
-def test_each_graph_compiled_for_a_target_hands_its_freed_memory_back(monkeypatch):
+def test_each_graph_compiled_for_a_target_hands_its_freed_memory_back(monkeypatch, tmp_path):
     """After every target compile (not after a cache hit), the heap's free pages go back to the system, so
     that the next graph's compile does not start from what the last one left."""
     released: list[str] = []
     monkeypatch.setattr(driver, "release_free_memory", lambda: released.append("released") or True)
     with torch.device("meta"):
         net = _Net()
-    options = {"targets": [TARGET], "compile_only": True, "cache_mode": "off"}
+    options = {"targets": [TARGET], "compile_only": True, "cache_dir": str(tmp_path)}
     events, remove = _events()
     try:
         torch.compile(net, backend="tpucompile", options=options)(torch.randn(8, 16, device="meta")).sum().backward()
+        assert len(events) == 2 and len(released) == 2, (len(events), released)  # forward and backward compiled
+        torch._dynamo.reset()
+        torch.compile(net, backend="tpucompile", options=options)(torch.randn(8, 16, device="meta")).sum().backward()
     finally:
         remove()
-    assert len(events) == 2 and len(released) == 2, (len(events), released)
+    assert len(events) == 4 and all(e.cache_hit for e in events[2:]), [e.cache_hit for e in events]
+    assert len(released) == 2, released  # nothing compiled the second time: nothing to give back
 
 
 @torch.library.custom_op("tpucompile_test::positives", mutates_args=())
@@ -164,7 +168,8 @@ def test_an_op_dynamo_runs_outside_the_graphs_on_meta_tensors_keeps_torch_s_erro
     with pytest.raises(NotImplementedError, match="aten::bincount") as raised:
         torch.compile(net, backend="tpucompile", options=options)(torch.randn(4, 16, device="meta"))
     frames = [f for f in raised.traceback if f.path == pathlib.Path(__file__)]
-    assert frames[-1].lineno + 1 == _Counted.forward.__code__.co_firstlineno + 1, frames[-1]
+    forward_body = _Counted.forward.__code__.co_firstlineno + 1  # the line after the def (1-based)
+    assert frames[-1].lineno + 1 == forward_body, frames[-1]  # pytest's line numbers are 0-based
 
 
 def test_compile_only_option_and_environment_variable():
