@@ -66,9 +66,7 @@ class _PeakSampler:
 
     def _run(self) -> None:
         while not self._stop.wait(0.5):
-            with open("/proc/self/status") as status:
-                fields = {k: int(v.split()[0]) * 1024 for k, v in (line.split(":", 1) for line in status)
-                          if k in self.peak}
+            fields = _resident()
             if fields.get("VmRSS", 0) > self.peak["VmRSS"]:
                 self.peak.update(fields)
 
@@ -78,10 +76,11 @@ class _PeakSampler:
         return self.peak
 
 
-def _resident_bytes() -> int:
-    """This process's resident memory now (Linux)."""
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * resource.getpagesize()
+def _resident() -> dict[str, int]:
+    """This process's resident memory now, in bytes (Linux): in all (``VmRSS``), anonymous and mapped files."""
+    with open("/proc/self/status") as status:
+        return {key: int(value.split()[0]) * 1024 for key, value in (line.split(":", 1) for line in status)
+                if key in ("VmRSS", "RssAnon", "RssFile")}
 
 
 def main() -> None:
@@ -113,7 +112,7 @@ def main() -> None:
                            "uses": graph_uses(event.graph), "report": event.report or {},
                            "error": None if event.error is None else str(event.error),
                            "out_of_memory": event.out_of_memory,
-                           "done_at_seconds": time.perf_counter() - start, "host_bytes_then": _resident_bytes()})
+                           "done_at_seconds": time.perf_counter() - start, "host_bytes_then": _resident()["VmRSS"]})
 
     remove = driver.add_observer(observe)
     sampler = _PeakSampler()
