@@ -46,6 +46,19 @@ class Options:
     """How many concrete-shape executables one symbolic graph keeps before the least recently used is
     dropped (each extra shape is a recompile, logged with its reason)."""
 
+    dynamic_mode: str = "exact"
+    """How a graph with symbolic sizes is compiled: "exact" (one executable per concrete size) or "bucket"
+    (one per bucket of sizes, the inputs padded to it and the padding made invisible to the program, so
+    results are those of the exact sizes). A graph with an op that padding would make inexact, or on a
+    device mesh, or compile-only, is compiled per size ("bucket" then warns once, naming the op)."""
+
+    buckets: tuple[int, ...] = ()
+    """The sizes a dynamic dimension is padded to under ``dynamic_mode="bucket"`` (the smallest that holds
+    it; a size past the largest gets its own executable); empty: powers of two from ``bucket_minimum``."""
+
+    bucket_minimum: int = 16
+    """The smallest power-of-two bucket, so that small sizes share one executable."""
+
     verify: bool = True
     """Run the MLIR verifier on every lowered module before compiling it."""
 
@@ -178,7 +191,10 @@ HOST_KERNEL_MODES = ("auto", "on", "off")
 """The values of ``host_kernels``."""
 ATTENTION_MODES = ("auto", "kernel", "math")
 """The values of ``attention``."""
-_CHOICES = {"fallback": ("eager", "error"), "attention": ATTENTION_MODES, "host_kernels": HOST_KERNEL_MODES,
+DYNAMIC_MODES = ("exact", "bucket")
+"""The values of ``dynamic_mode``."""
+_CHOICES = {"dynamic_mode": DYNAMIC_MODES, "fallback": ("eager", "error"), "attention": ATTENTION_MODES,
+            "host_kernels": HOST_KERNEL_MODES,
             "cache_mode": CACHE_MODES}
 
 _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -218,6 +234,15 @@ def _check_type(name: str, value: Any, annotation: str) -> Any:
         raise OptionsError(f"tpucompile option {name!r} must be a non-negative int or None, got {value!r}")
     if name == "num_processes" and value < 1:
         raise OptionsError(f"tpucompile option 'num_processes' must be at least 1, got {value!r}")
+    if annotation == "tuple[int, ...]":
+        sizes = value.split(",") if isinstance(value, str) else value
+        try:
+            sizes = tuple(sorted({int(size) for size in sizes if str(size).strip()}))
+        except (TypeError, ValueError):
+            raise OptionsError(f"tpucompile option {name!r} must be a list of sizes, got {value!r}") from None
+        if any(size < 1 for size in sizes):
+            raise OptionsError(f"tpucompile option {name!r} must hold positive sizes, got {value!r}")
+        return sizes
     if annotation == "tuple[str, ...]":
         names = value.split(",") if isinstance(value, str) else value
         if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):

@@ -22,7 +22,7 @@ from tpucompile import artifacts, diagnostics
 from tpucompile.cache import MemoryStore
 from tpucompile.config import Options
 from tpucompile.errors import CompileError, LoweringError, TpuCompileError, TpuCompileWarning, UnsupportedOpError
-from tpucompile.lowering import LoweredProgram, ShapeBindings, is_symbolic
+from tpucompile.lowering import LoweredProgram, ShapeBindings, is_symbolic, padding_safety
 from tpucompile.lowering.graph import has_data_dependent_size, unsupported_reason
 from tpucompile.lowering.sharding import program_shardings
 from tpucompile.passes import isolate_node, partition_supported, run_passes
@@ -35,6 +35,7 @@ from tpucompile.runtime import (
     get_target,
     process_count,
 )
+from tpucompile.runtime.buckets import BucketedGraph, runtime_symbols
 from tpucompile.runtime.host_memory import release_free_memory
 from tpucompile.runtime.targets.compile_only import compile_targets, spanning
 from tpucompile.sharding.annotate import record_layouts
@@ -275,7 +276,8 @@ def _compile_region(
     metas = [n.meta.get("val") for n in placeholders]
     user_arg_count = len(placeholders) - len(lifted_constants)
 
-    def build(bindings: ShapeBindings) -> GraphExecutable | ShapeOnlyExecutable:
+    def build(bindings: ShapeBindings, constants: list[torch.Tensor] = lifted_constants
+              ) -> GraphExecutable | ShapeOnlyExecutable:
         program, program_sha256, program_tier = artifacts.lowered_program(gm, bindings, target, options)
         if options.compile_only:  # for the targets only: nothing is compiled or run for this process
             layouts = _compile_for_targets(gm, bindings, program, program_sha256, target, options, name)
@@ -286,7 +288,7 @@ def _compile_region(
         loaded = artifacts.load_executable(program, program_sha256, target, options, name)
         _notify(name, gm, program, program_tier, loaded)
         _compile_for_targets(gm, bindings, program, program_sha256, target, options, name)
-        executable = _executable(program, loaded, target, lifted_constants)
+        executable = _executable(program, loaded, target, constants)
         if isinstance(executable, ShardedExecutable) and options.shard is not None:
             record_layouts(gm, program.output_plan, executable.result_dims, options.shard)
             for position, source in gm.meta.get("dtensor_outputs", {}).items():
@@ -295,6 +297,9 @@ def _compile_region(
 
     if not any(is_symbolic(m) for m in metas):
         return build(ShapeBindings())
+    if _bucketable(gm, metas, target, options, name):  # the bucketed graph pads the constants with the rest
+        return BucketedGraph(name, gm, lambda bindings: build(bindings, []), lifted_constants, options.buckets,
+                             options.bucket_minimum, options.max_shape_specializations)
 
     def build_for_call(args: list[Any]) -> GraphExecutable:
         actual = [*args, *lifted_constants]
@@ -304,6 +309,22 @@ def _compile_region(
 
     names = [n.name for n in placeholders[:user_arg_count]]
     return ShapeSpecializer(name, build_for_call, names, options.max_shape_specializations)
+
+
+def _bucketable(gm: torch.fx.GraphModule, metas: list[Any], target: Any, options: Options, name: str) -> bool:
+    """Whether ``gm`` compiles per bucket of sizes: asked for, on one device of this process, and exact under
+    padding (else one warning naming the op that is not, and per-size executables)."""
+    if options.dynamic_mode != "bucket" or options.compile_only or options.mesh is not None:
+        return False
+    if len(target.devices) != 1 or not BucketedGraph.readable(metas):
+        return False
+    found = padding_safety.first_inexact(gm, runtime_symbols(metas))
+    if found is not None:
+        _, why = found
+        warnings.warn(f"tpucompile compiles {name} once per size, not per bucket: {why}", TpuCompileWarning,
+                      stacklevel=2)
+        return False
+    return True
 
 
 def _output_devices(gm: torch.fx.GraphModule) -> list[torch.device | None]:

@@ -60,8 +60,8 @@ def executable_components(
 
 def _host_ops(program: LoweredProgram, program_sha256: str, target: Target, mode: str) -> tuple[str, ...]:
     """The ops of ``program`` that call the host kernels on ``target`` (``kernel_choice``), once per process."""
-    if target.host_blas is None or mode == "off":
-        return ()
+    if target.host_blas is None or mode == "off" or program.runtime_sizes:  # a kernel is a custom call,
+        return ()  # whose operands XLA's dynamic padder cannot see into
     memo = (program_sha256, id(target), mode)
     found = stores.host_op_choices.get(memo)
     if found is None:

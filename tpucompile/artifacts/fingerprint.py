@@ -52,7 +52,10 @@ def encode_graph(gm: torch.fx.GraphModule, bindings: ShapeBindings, values: bool
         nodes.append(record)
         where = diagnostics.source_location(node)
         locations.append([where.file, where.line] if where else None)
-    return digest(canonical_json({"nodes": nodes})), digest(canonical_json({"locations": locations}))
+    encoded: dict[str, Any] = {"nodes": nodes}
+    if bindings.runtime:  # a bucketed program: its sizes above are the bucket's, these come at run time
+        encoded["runtime_sizes"] = sorted(str(s) for s in bindings.runtime)
+    return digest(canonical_json(encoded)), digest(canonical_json({"locations": locations}))
 
 
 def function_name(target: Any) -> str:

@@ -27,7 +27,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from tpucompile import diagnostics
 from tpucompile.donation_marks import DONATABLE, SAVED, UPDATED, kind_of
 from tpucompile.errors import LoweringError, TpuCompileError, UnsupportedOpError
-from tpucompile.lowering import builder, sharding
+from tpucompile.lowering import builder, dynamic_sizes, padding_safety, sharding
 from tpucompile.lowering.context import mlir_context
 from tpucompile.lowering.registry import LoweringContext, is_random, lookup_rule, size_bound
 from tpucompile.lowering.rng import SEED_SHAPE, RandomStream
@@ -55,6 +55,9 @@ class LoweredProgram:
     gone after the call), or None; empty when nothing is donated."""
     donated_kinds: frozenset[str] = frozenset()
     """The kinds of marked arguments (``donation_marks``) this program was lowered to donate."""
+    runtime_sizes: tuple[str, ...] = ()
+    """The size symbols whose actual values a bucketed program takes as ``i32`` arguments, in order (their
+    input positions follow the graph's placeholders); empty for a program of static sizes."""
 
     def text(self, debug_info: bool = True) -> str:
         """StableHLO text; with ``debug_info`` it carries the user's source locations."""
@@ -88,7 +91,11 @@ class _GraphLowering:
     def __init__(self, gm: torch.fx.GraphModule, bindings: ShapeBindings, donate: frozenset[str]) -> None:
         self.gm = gm
         self.donate = donate
-        self.bindings = ShapeBindings(dict(bindings.values))  # data-dependent sizes get bound to their bounds
+        self.bindings = ShapeBindings(dict(bindings.values), bindings.runtime)  # data-dependent sizes get
+        # bound to their bounds
+        self.runtime = bindings.runtime
+        self.sizes: dynamic_sizes.SizeValues | None = None
+        """The values of runtime size expressions, in a bucketed program."""
         self.env: dict[torch.fx.Node, Any] = {}
         self.random: RandomStream | None = None
         self.actual_sizes: dict[sympy.Symbol, Any] = {}
@@ -101,6 +108,8 @@ class _GraphLowering:
             (i, n) for i, n in enumerate(placeholders) if isinstance(n.meta.get("val"), torch.Tensor)
         ]
         input_specs = [self._spec(n) for _, n in tensor_inputs]
+        size_symbols = sorted(self.runtime, key=str)
+        input_specs += [TensorSpec((), dynamic_sizes.SIZE_DTYPE) for _ in size_symbols]
         needs_seed = any(n.op == "call_function" and is_random(n.target) for n in graph.nodes)
         if needs_seed:
             input_specs.append(TensorSpec(SEED_SHAPE, torch.int64))
@@ -119,9 +128,15 @@ class _GraphLowering:
             block = main.add_entry_block()
         for (_, node), arg in zip(tensor_inputs, block.arguments, strict=False):
             self.env[node] = arg
+        if size_symbols:
+            size_arguments = block.arguments[len(tensor_inputs):len(tensor_inputs) + len(size_symbols)]
+            self.sizes = dynamic_sizes.SizeValues(dict(zip(size_symbols, size_arguments, strict=True)))
+            with ir.InsertionPoint(block), ir.Location.unknown():
+                for _, node in tensor_inputs:
+                    self.env[node] = self._marked(node.meta["val"], self.env[node])
         if needs_seed:
             with ir.InsertionPoint(block):
-                self.random = RandomStream(block.arguments[len(tensor_inputs)])
+                self.random = RandomStream(block.arguments[len(tensor_inputs) + len(size_symbols)])
         for node in placeholders:
             if node not in self.env:
                 self.env[node] = self.bindings.resolve(node.meta.get("val"))
@@ -133,11 +148,14 @@ class _GraphLowering:
                     self.env[node] = self.env[node.args[0]]  # an argument or result attribute, set below
                 elif node.op == "call_function":
                     self.env[node] = self._lower_call(node)
+                    if self.sizes is not None and node.target is not operator.getitem:
+                        with _location(node):
+                            self.env[node] = self._marked(node.meta.get("val"), self.env[node])
                 elif node.op == "get_attr":
                     self.env[node] = self._lower_constant(node)
             unique_results = list(dict.fromkeys(result_nodes))
             sizes = list(self.actual_sizes)
-            returned = [self.env[n] for n in unique_results] + [self.actual_sizes[s] for s in sizes]
+            returned = [self._result(n) for n in unique_results] + [self.actual_sizes[s] for s in sizes]
             func.ReturnOp(returned)
         result_specs = [spec_of(v) for v in returned]
         main.attributes["function_type"] = ir.TypeAttr.get(
@@ -171,12 +189,32 @@ class _GraphLowering:
         return LoweredProgram(
             module=module,
             input_specs=input_specs,
-            input_positions=[i for i, _ in tensor_inputs] + ([SEED_POSITION] if needs_seed else []),
+            input_positions=[i for i, _ in tensor_inputs] + [len(placeholders) + k for k in range(len(size_symbols))]
+            + ([SEED_POSITION] if needs_seed else []),
             result_specs=result_specs,
             output_plan=plan,
             input_aliases=aliases if any(a is not None for a in aliases) else [],
             donated_kinds=self.donate,
+            runtime_sizes=tuple(str(s) for s in size_symbols),
         )
+
+    def _result(self, node: torch.fx.Node) -> Any:
+        """The program result for ``node``: its value, of a fixed shape in a bucketed program."""
+        value = self.env[node]
+        if self.sizes is None:
+            return value
+        dims = dynamic_sizes.symbolic_dims(node.meta["val"], self.runtime)
+        return dynamic_sizes.static_result(value, self.bindings.spec(node.meta["val"]), dims) if dims else value
+
+    def _marked(self, val: Any, value: Any) -> Any:
+        """``value`` with its runtime-sized dimensions marked (``dynamic_sizes``), element-wise for the results
+        of an op with several."""
+        if isinstance(val, torch.Tensor):
+            dims = dynamic_sizes.symbolic_dims(val, self.runtime)
+            return dynamic_sizes.mark_dynamic(value, self.bindings.spec(val), dims, self.sizes) if dims else value
+        if isinstance(val, (list, tuple)) and isinstance(value, (list, tuple)):
+            return type(value)(self._marked(v, x) for v, x in zip(val, value, strict=True))
+        return value
 
     def _input_aliases(
         self, tensor_inputs: list[tuple[int, torch.fx.Node]], outputs: list[Any], unique_results: list[Any],
@@ -273,6 +311,11 @@ class _GraphLowering:
         symbol = self._bind_data_dependent_size(node, rule.bound) if padded else None
         args = [self._materialize(a) for a in node.args]
         kwargs = {k: self._materialize(v) for k, v in node.kwargs.items()}
+        if self.sizes is not None and node.target in padding_safety.ZERO_PADDED_OPERAND:
+            position = padding_safety.ZERO_PADDED_OPERAND[node.target]
+            operand = node.args[position].meta["val"]
+            dims = dynamic_sizes.symbolic_dims(operand, self.runtime)
+            args[position] = dynamic_sizes.zero_padding(args[position], self.bindings.spec(operand), dims, self.sizes)
         ctx = LoweringContext(
             node=node,
             avals_out=self._output_specs(val),

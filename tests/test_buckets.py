@@ -1,0 +1,131 @@
+"""Bucketed executables (``dynamic_mode="bucket"``): one compile per bucket of sizes, results equal to eager
+at every size inside a bucket, and per-size compiles (with a warning naming the op) for graphs that padding
+would make inexact."""
+
+import copy
+import logging
+import pathlib
+import sys
+import warnings
+
+import pytest
+import torch
+
+from tests.support import assert_close_tree
+from tpucompile.config import Options
+from tpucompile.errors import OptionsError, TpuCompileWarning
+from tpucompile.runtime.buckets import bucket_size
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
+
+BUCKETED = {"dynamic_mode": "bucket"}
+
+
+def _bucket_compiles(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "for a new bucket" in r.getMessage()]
+
+
+def _per_size_compiles(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "for new sizes" in r.getMessage()]
+
+
+def test_bucket_sizes():
+    assert [bucket_size(n, (), 16) for n in (1, 2, 15, 16, 17, 100, 2048)] == [16, 16, 16, 16, 32, 128, 2048]
+    assert [bucket_size(n, (), 1) for n in (1, 3, 5)] == [1, 4, 8]
+    assert [bucket_size(n, (8, 32), 16) for n in (5, 8, 9, 32, 33)] == [8, 8, 32, 32, 33]
+
+
+def test_bucket_options():
+    assert Options.from_sources({"buckets": "64, 8,32"}, environ={}).buckets == (8, 32, 64)
+    assert Options.from_sources({}, environ={"TPUCOMPILE_BUCKETS": "128,512"}).buckets == (128, 512)
+    with pytest.raises(OptionsError, match="buckets"):
+        Options.from_sources({"buckets": [0, 8]}, environ={})
+    with pytest.raises(OptionsError, match="dynamic_mode"):
+        Options.from_sources({"dynamic_mode": "padded"}, environ={})
+
+
+def _mixed(x: torch.Tensor, w: torch.Tensor):
+    """Ops the padding must stay out of: softmax, max and argmax over the dynamic dim, a product that
+    contracts it, elementwise results of dynamic size, a reduction of a static dim."""
+    h = torch.tanh(x @ w)
+    return (torch.softmax(h, dim=0), h.amax(dim=0), h.argmax(dim=0), h.t() @ h, h * 2 + 1, h.mean(dim=1),
+            h.sum())
+
+
+def test_one_compile_per_bucket_and_eager_results(caplog, seeded):
+    caplog.set_level(logging.INFO, logger="tpucompile")
+    w = torch.randn(8, 8)
+    compiled = torch.compile(_mixed, backend="tpucompile", options=BUCKETED)
+    exact = torch.compile(copy.deepcopy(_mixed), backend="tpucompile")
+    for n in (5, 9, 12, 16, 17, 30):
+        x = torch.randn(n, 8)
+        torch._dynamo.mark_dynamic(x, 0)
+        got = compiled(x, w)
+        assert_close_tree(got, _mixed(x, w))
+        assert_close_tree(got, exact(x, w))
+    # 5..16 share the bucket of 16; 17 and 30 share 32: one compile more, logged with the bucket
+    assert len(_bucket_compiles(caplog)) == 1, _bucket_compiles(caplog)
+    assert "=17 -> bucket 32" in _bucket_compiles(caplog)[0]
+
+
+def test_listed_buckets_and_sizes_past_them(caplog, seeded):
+    caplog.set_level(logging.INFO, logger="tpucompile")
+    def f(x):
+        return torch.softmax(x, 0) * x.amax(0)
+
+    compiled = torch.compile(f, backend="tpucompile", options={**BUCKETED, "buckets": [8, 32]})
+    for n in (3, 8, 9, 32, 40, 41):
+        x = torch.randn(n, 4)
+        torch._dynamo.mark_dynamic(x, 0)
+        assert_close_tree(compiled(x), f(x))
+    buckets = [m.split("-> bucket ")[1].split()[0] for m in _bucket_compiles(caplog)]
+    assert buckets == ["32", "40", "41"]  # 3 and 8 in 8 (the first compile), 9 and 32 in 32; past 32: per size
+
+
+@pytest.mark.parametrize("op, why", [
+    (lambda x: x.mean(dim=1), "aten.mean"),
+    (lambda x: x.cumsum(dim=1), "aten.cumsum"),
+    (lambda x: x.sort(dim=1).values, "aten.sort"),
+    (lambda x: x[:, -1], "aten.select"),
+    (lambda x: torch.cat([x, x], dim=1), "aten.cat"),
+    (lambda x: x.flip(1), "aten.flip"),
+    (lambda x: x.reshape(-1), "aten.view"),
+], ids=["mean", "cumsum", "sort", "select-from-end", "cat", "flip", "merge-inner"])
+def test_ops_that_read_the_padded_extent_compile_per_size(op, why, caplog, seeded):
+    caplog.set_level(logging.INFO, logger="tpucompile")
+    compiled = torch.compile(op, backend="tpucompile", options=BUCKETED)
+    with pytest.warns(TpuCompileWarning, match=f"once per size, not per bucket: {why}.*test_buckets.py"):
+        for n in (5, 6, 7):
+            x = torch.randn(3, n)
+            torch._dynamo.mark_dynamic(x, 1)
+            assert_close_tree(compiled(x), op(x))
+    assert not _bucket_compiles(caplog)
+    assert len(_per_size_compiles(caplog)) == 2  # 6 and 7 after 5: the exact path
+
+
+def test_llama_training_on_buckets(caplog, seeded):
+    from llama import Llama, LlamaConfig
+
+    caplog.set_level(logging.INFO, logger="tpucompile")
+    model = Llama(LlamaConfig())
+    eager = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="tpucompile", options=BUCKETED)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for n in (5, 9, 16, 17, 23):
+            tokens = torch.randint(0, 256, (1, n))
+            torch._dynamo.mark_dynamic(tokens, 1)
+            logits = compiled(tokens)
+            expected = eager(tokens)
+            assert_close_tree(logits, expected)
+            logits.float().pow(2).mean().backward()
+            expected.float().pow(2).mean().backward()
+            for p, q in zip(model.parameters(), eager.parameters(), strict=True):
+                assert_close_tree(p.grad, q.grad)
+            model.zero_grad()
+            eager.zero_grad()
+    assert not [w for w in caught if issubclass(w.category, TpuCompileWarning)]
+    assert not _per_size_compiles(caplog)
+    # forward and backward each: the bucket of 16, then 32 for 17 and 23
+    assert sorted(m.split(") for a new bucket")[0].split("(")[-1] for m in _bucket_compiles(caplog)) == [
+        "backward", "forward"]

@@ -1,0 +1,175 @@
+"""Sizes a program learns when it runs: bounded dynamic dimensions for bucketed executables.
+
+A bucketed program is lowered at the bucket's sizes (every size symbol bound to its bucket, so every type is
+static) and takes each symbol's actual value as an extra ``i32`` argument. Every value with a dimension that
+depends on a symbol is marked with ``stablehlo.set_dimension_size`` (its actual extent, computed from the size
+arguments) and converted back to its static type, so the lowering rules keep seeing static shapes while XLA's
+dynamic dimension inference follows the marks through the program: its dynamic padder makes reductions,
+matrix products and the rest ignore what lies past the actual extent. The padding sits at the end of each
+dimension, and results are narrowed to their actual sizes after the call.
+
+Only size expressions that never shrink as a symbol grows can be bounded by their value at the bucket; the
+others (``Mod``, a negative coefficient) make the graph compile per size instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import sympy
+import torch
+from jax.extend.mlir import ir
+from jax.extend.mlir.dialects import stablehlo as hlo
+
+from tpucompile.lowering.builder import constant
+from tpucompile.lowering.types import TensorSpec, tensor_type
+
+SIZE_DTYPE = torch.int32
+"""The type of a size argument (``set_dimension_size`` takes an ``i32``)."""
+
+
+class UnboundedSize(Exception):
+    """A size expression whose value at the bucket does not bound its value below it."""
+
+
+def _floor_div(a: int, b: int) -> int:
+    return a // b
+
+
+_PYTHON: dict[str, Callable[..., int]] = {
+    "Add": lambda *xs: sum(xs),
+    "Mul": lambda *xs: _product(xs),
+    "FloorDiv": _floor_div,
+    "CleanDiv": _floor_div,
+    "Max": lambda *xs: max(xs),
+    "Min": lambda *xs: min(xs),
+}
+
+
+def _product(values: tuple[int, ...]) -> int:
+    result = 1
+    for value in values:
+        result *= value
+    return result
+
+
+def evaluate(expr: sympy.Expr, values: Mapping[sympy.Symbol, int]) -> int:
+    """The value of a size expression for concrete symbol values (the forms ``check_bounded`` admits)."""
+    if isinstance(expr, sympy.Symbol):
+        return int(values[expr])
+    if isinstance(expr, (sympy.Integer, int)):
+        return int(expr)
+    operation = _PYTHON.get(type(expr).__name__)
+    if operation is None:
+        raise UnboundedSize(f"size expression {expr} has an operation tpucompile cannot bound ({type(expr).__name__})")
+    return operation(*(evaluate(arg, values) for arg in expr.args))
+
+
+def check_bounded(expr: sympy.Expr) -> None:
+    """Raise ``UnboundedSize`` unless ``expr`` never decreases as any symbol grows (so its value at the bucket
+    holds every value below it)."""
+    if isinstance(expr, (sympy.Symbol, sympy.Integer, int)):
+        return
+    name = type(expr).__name__
+    if name == "Mul":
+        for arg in expr.args:
+            if isinstance(arg, sympy.Integer) and arg < 0:
+                raise UnboundedSize(f"size expression {expr} shrinks as its symbols grow")
+            check_bounded(arg)
+        return
+    if name in ("Add", "Max", "Min"):
+        for arg in expr.args:
+            check_bounded(arg)
+        return
+    if name in ("FloorDiv", "CleanDiv"):
+        numerator, divisor = expr.args
+        if not (isinstance(divisor, sympy.Integer) and divisor > 0):
+            raise UnboundedSize(f"size expression {expr} divides by a size")
+        check_bounded(numerator)
+        return
+    raise UnboundedSize(f"size expression {expr} is not monotone in its symbols ({name})")
+
+
+def symbolic_dims(val: torch.Tensor, runtime: frozenset[sympy.Symbol]) -> list[tuple[int, sympy.Expr]]:
+    """(dimension, size expression) for each dimension of ``val`` that depends on a runtime symbol."""
+    dims = []
+    for dim, size in enumerate(val.shape):
+        if isinstance(size, torch.SymInt):
+            expr = sympy.sympify(size.node.expr)
+            if expr.free_symbols & runtime:
+                dims.append((dim, expr))
+    return dims
+
+
+class SizeValues:
+    """The program's values of size expressions, from its ``i32`` size arguments (each expression emitted once
+    per program)."""
+
+    def __init__(self, arguments: Mapping[sympy.Symbol, ir.Value]) -> None:
+        self._known: dict[sympy.Expr, ir.Value] = dict(arguments)
+
+    def of(self, expr: sympy.Expr) -> ir.Value:
+        expr = sympy.sympify(expr)
+        found = self._known.get(expr)
+        if found is not None:
+            return found
+        if isinstance(expr, sympy.Integer):
+            value = constant(int(expr), SIZE_DTYPE)
+        else:
+            name = type(expr).__name__
+            args = [self.of(arg) for arg in expr.args]
+            combine = {"Add": hlo.add, "Mul": hlo.multiply, "FloorDiv": hlo.divide, "CleanDiv": hlo.divide,
+                       "Max": hlo.maximum, "Min": hlo.minimum}.get(name)
+            if combine is None:
+                raise UnboundedSize(f"size expression {expr} has an operation tpucompile cannot compute ({name})")
+            value = args[0]
+            for arg in args[1:]:
+                value = combine(value, arg)  # sizes are non-negative: truncating division is floor division
+        self._known[expr] = value
+        return value
+
+
+def mark_dynamic(value: ir.Value, spec: TensorSpec, dims: list[tuple[int, sympy.Expr]], sizes: SizeValues) -> ir.Value:
+    """``value`` (of static type ``spec``) with each of ``dims`` marked as holding only its expression's value,
+    returned in its static type again."""
+    if not dims:
+        return value
+    shape = list(spec.shape)
+    dynamic = list(spec.shape)
+    marked = value
+    for dim, expr in dims:
+        dynamic[dim] = ir.ShapedType.get_dynamic_size()
+        bounds = [shape[d] if dynamic[d] == ir.ShapedType.get_dynamic_size() else ir.ShapedType.get_dynamic_size()
+                  for d in range(len(shape))]
+        marked_type = ir.RankedTensorType.get(
+            dynamic, tensor_type(tuple(shape), spec.dtype).element_type,
+            ir.Attribute.parse(f"#stablehlo.bounds<{', '.join('?' if b < 0 else str(b) for b in bounds)}>"))
+        marked = hlo.SetDimensionSizeOp(marked, sizes.of(expr), dim, results=[marked_type]).result
+    return hlo.convert(tensor_type(tuple(shape), spec.dtype), marked)
+
+
+def static_result(value: ir.Value, spec: TensorSpec, dims: list[tuple[int, sympy.Expr]]) -> ir.Value:
+    """``value`` as a program result of fixed shape: XLA returns a buffer of dynamic shape for a result it
+    knows to be runtime-sized, which DLPack cannot carry. Gathering every position of each such dimension
+    (padding included) gives the same values with a shape XLA takes as fixed; results are cut to their actual
+    sizes after the call."""
+    rank = len(spec.shape)
+    for dim, _ in dims:
+        positions = hlo.iota(tensor_type((spec.shape[dim], 1), SIZE_DTYPE), 0)
+        numbers = hlo.GatherDimensionNumbers.get(
+            offset_dims=[d for d in range(rank) if d != dim], collapsed_slice_dims=[dim],
+            operand_batching_dims=[], start_indices_batching_dims=[], start_index_map=[dim], index_vector_dim=1)
+        sizes = [1 if d == dim else spec.shape[d] for d in range(rank)]
+        value = hlo.gather(value, positions, numbers, ir.DenseI64ArrayAttr.get(sizes), indices_are_sorted=True)
+    return value
+
+
+def zero_padding(value: ir.Value, spec: TensorSpec, dims: list[tuple[int, sympy.Expr]], sizes: SizeValues) -> ir.Value:
+    """``value`` with zeros past the actual extent of each of ``dims``: for an operand whose padding an op
+    would otherwise add in (the updates of an accumulating ``index_put``)."""
+    for dim, expr in dims:
+        positions = hlo.iota(tensor_type(spec.shape, SIZE_DTYPE), dim)
+        limit = hlo.broadcast_in_dim(tensor_type(spec.shape, SIZE_DTYPE), sizes.of(expr), ir.DenseI64ArrayAttr.get([]))
+        inside = hlo.compare(positions, limit, hlo.ComparisonDirectionAttr.get("LT"))
+        value = hlo.select(inside, value, constant(0, spec.dtype, spec.shape))
+    return value

@@ -1,0 +1,189 @@
+"""One executable per bucket of sizes for graphs with symbolic sizes.
+
+Where the per-size path (``specialize``) compiles every new size, a bucketed graph rounds each size symbol up
+to its bucket (the next power of two from ``bucket_minimum``, or the smallest of the ``buckets`` option that
+holds it), compiles once per bucket a program that takes the actual sizes as arguments
+(``lowering.dynamic_sizes``), pads each runtime-sized input with zeros at the end of its dimensions, and cuts
+each result back to its actual sizes. A size above the largest listed bucket gets an executable of its own.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import sympy
+import torch
+
+from tpucompile.lowering import ShapeBindings
+from tpucompile.lowering.dynamic_sizes import SIZE_DTYPE, evaluate, symbolic_dims
+from tpucompile.runtime.specialize import call_signature
+
+log = logging.getLogger("tpucompile")
+
+Bucket = tuple[int, ...]
+
+
+def bucket_size(value: int, sizes: Sequence[int], minimum: int) -> int:
+    """The bucket ``value`` is padded to: the smallest of ``sizes`` that holds it (``value`` itself past the
+    largest), or with no ``sizes`` the next power of two, at least ``minimum``."""
+    if sizes:
+        return next((size for size in sorted(sizes) if size >= value), value)
+    bucket = max(1, minimum)
+    while bucket < value:
+        bucket *= 2
+    return bucket
+
+
+def runtime_symbols(metas: Sequence[Any]) -> frozenset[sympy.Symbol]:
+    """Every size symbol of a graph's inputs (tensor sizes and SymInt arguments)."""
+    found: set[sympy.Symbol] = set()
+    for meta in metas:
+        sizes = meta.shape if isinstance(meta, torch.Tensor) else [meta]
+        for size in sizes:
+            if isinstance(size, torch.SymInt):
+                found |= sympy.sympify(size.node.expr).free_symbols
+    return frozenset(found)
+
+
+def symbol_sources(
+    metas: Sequence[Any], symbols: frozenset[sympy.Symbol]
+) -> dict[sympy.Symbol, tuple[int, int | None]]:
+    """Where each symbol's value is read on a call: (argument position, dimension), or (position, None) for a
+    SymInt argument. Symbols with no argument of their own are left out."""
+    sources: dict[sympy.Symbol, tuple[int, int | None]] = {}
+    for position, meta in enumerate(metas):
+        if isinstance(meta, torch.SymInt) and meta.node.expr in symbols:
+            sources.setdefault(meta.node.expr, (position, None))
+        elif isinstance(meta, torch.Tensor):
+            for dim, size in enumerate(meta.shape):
+                if isinstance(size, torch.SymInt) and size.node.expr in symbols:
+                    sources.setdefault(size.node.expr, (position, dim))
+    return sources
+
+
+class BucketedGraph:
+    """A boxed callable that pads each call to its bucket and runs the executable built for that bucket."""
+
+    def __init__(
+        self,
+        name: str,
+        gm: torch.fx.GraphModule,
+        build: Callable[[ShapeBindings], Callable[[list[Any]], list[Any]]],
+        constants: Sequence[torch.Tensor],
+        bucket_sizes: Sequence[int],
+        bucket_minimum: int,
+        max_entries: int,
+    ) -> None:
+        self._boxed_call = True  # AOTAutograd passes the arguments as one list
+        self.name = name
+        self._build = build
+        self._constants = list(constants)
+        self._sizes = tuple(bucket_sizes)
+        self._minimum = bucket_minimum
+        self._max_entries = max(1, max_entries)
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        self._metas = [n.meta.get("val") for n in placeholders]
+        self.symbols = sorted(runtime_symbols(self._metas), key=str)
+        runtime = frozenset(self.symbols)
+        sources = symbol_sources(self._metas, runtime)
+        self._sources = [sources[s] for s in self.symbols]
+        self._padded = [(position, symbolic_dims(meta, runtime)) for position, meta in enumerate(self._metas)
+                        if isinstance(meta, torch.Tensor) and symbolic_dims(meta, runtime)]
+        self._outputs = [self._output_rule(out, placeholders, runtime) for out in _graph_outputs(gm)]
+        self._entries: collections.OrderedDict[Bucket, tuple[Callable, dict[int, tuple[int, ...]]]] = (
+            collections.OrderedDict())
+        self._checked: set[Any] = set()
+        self._last: Bucket | None = None
+        self.recompiles: list[str] = []
+        """The reason of every compile after the first, in order."""
+
+    @staticmethod
+    def readable(metas: Sequence[Any]) -> bool:
+        """Whether every size symbol of ``metas`` can be read from a call's arguments."""
+        symbols = runtime_symbols(metas)
+        return set(symbol_sources(metas, symbols)) == set(symbols)
+
+    def _output_rule(self, out: Any, placeholders: list[torch.fx.Node], runtime: frozenset) -> tuple[str, Any]:
+        if isinstance(out, torch.fx.Node) and out.op == "placeholder":
+            return "input", placeholders.index(out)
+        val = out.meta.get("val") if isinstance(out, torch.fx.Node) else out
+        if isinstance(val, torch.Tensor):
+            return "tensor", symbolic_dims(val, runtime)
+        if isinstance(val, torch.SymInt):
+            return "size", sympy.sympify(val.node.expr)
+        return "as-is", None
+
+    def bucket_of(self, values: dict[sympy.Symbol, int]) -> Bucket:
+        return tuple(bucket_size(values[s], self._sizes, self._minimum) for s in self.symbols)
+
+    def __call__(self, args: list[Any]) -> list[Any]:
+        full = [*args, *self._constants]
+        values = {}
+        for symbol, (position, dim) in zip(self.symbols, self._sources, strict=True):
+            values[symbol] = int(full[position] if dim is None else full[position].shape[dim])
+        signature = call_signature(full)
+        if signature not in self._checked:
+            ShapeBindings(values).check(self._metas, full)
+            self._checked.add(signature)
+        bucket = self.bucket_of(values)
+        entry = self._entries.get(bucket)
+        if entry is None:
+            entry = self._specialize(bucket, values)
+        elif self._last != bucket:
+            self._entries.move_to_end(bucket)
+        self._last = bucket
+        runner, shapes = entry
+        padded = list(full)
+        for position, _ in self._padded:
+            padded[position] = _pad(full[position], shapes[position])
+        sizes = [torch.tensor(values[s], dtype=SIZE_DTYPE) for s in self.symbols]
+        results = runner([*padded, *sizes])
+        return [self._output(result, rule, full, values) for result, rule in zip(results, self._outputs, strict=True)]
+
+    def _output(self, result: Any, rule: tuple[str, Any], args: list[Any], values: dict) -> Any:
+        kind, detail = rule
+        if kind == "input":
+            return args[detail]
+        if kind == "size":
+            return evaluate(detail, values)
+        if kind == "tensor" and detail and isinstance(result, torch.Tensor):
+            actual = list(result.shape)
+            for dim, expr in detail:
+                actual[dim] = evaluate(expr, values)
+            if actual != list(result.shape):
+                return result[tuple(slice(0, n) for n in actual)].contiguous()
+        return result
+
+    def _specialize(self, bucket: Bucket, values: dict[sympy.Symbol, int]) -> tuple[Callable, dict]:
+        bounds = dict(zip(self.symbols, bucket, strict=True))
+        described = ", ".join(f"{s}={values[s]} -> bucket {b}" for s, b in bounds.items())
+        if self._last is not None:
+            self.recompiles.append(described)
+            log.info("compiling %s for a new bucket: %s (%d buckets compiled)", self.name, described,
+                     len(self._entries) + 1)
+        bindings = ShapeBindings(bounds, runtime=frozenset(self.symbols))
+        shapes = {position: bindings.spec(self._metas[position]).shape for position, _ in self._padded}
+        entry = (self._build(bindings), shapes)
+        self._entries[bucket] = entry
+        if len(self._entries) > self._max_entries:
+            dropped, _ = self._entries.popitem(last=False)
+            log.info("%s dropped the executable for bucket %s (max_shape_specializations=%d)",
+                     self.name, dropped, self._max_entries)
+        return entry
+
+
+def _graph_outputs(gm: torch.fx.GraphModule) -> list[Any]:
+    outputs = gm.graph.output_node().args[0]
+    return list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
+
+
+def _pad(tensor: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """``tensor`` with zeros appended at the end of each dimension up to ``shape``."""
+    if tuple(tensor.shape) == shape:
+        return tensor
+    padded = tensor.new_zeros(shape)
+    padded[tuple(slice(0, n) for n in tensor.shape)] = tensor
+    return padded
