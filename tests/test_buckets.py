@@ -89,8 +89,8 @@ def test_listed_buckets_and_sizes_past_them(caplog, seeded):
     (lambda x: x[:, -1], "aten.select"),
     (lambda x: torch.cat([x, x], dim=1), "aten.cat"),
     (lambda x: x.flip(1), "aten.flip"),
-    (lambda x: x.reshape(-1), "aten.view"),
-], ids=["mean", "cumsum", "sort", "select-from-end", "cat", "flip", "merge-inner"])
+    (lambda x: torch.outer(x[0], x[1]).reshape(-1), "aten.view"),
+], ids=["mean", "cumsum", "sort", "select-from-end", "cat", "flip", "two-padded-dims-merged"])
 def test_ops_that_read_the_padded_extent_compile_per_size(op, why, caplog, seeded):
     caplog.set_level(logging.INFO, logger="tpucompile")
     compiled = torch.compile(op, backend="tpucompile", options=BUCKETED)
@@ -103,6 +103,28 @@ def test_ops_that_read_the_padded_extent_compile_per_size(op, why, caplog, seede
     assert len(_per_size_compiles(caplog)) == 2  # 6 and 7 after 5: the exact path
 
 
+_W = torch.randn(8, 6)
+
+
+@pytest.mark.parametrize("op", [
+    lambda x: (x.reshape(-1, 8).sum(0), x.reshape(3, -1).amax(1)),  # merged: XLA packs the actual elements
+    lambda x: torch.nn.functional.linear(x, _W.t()).softmax(1),  # (3 * s, 8) -> (3, s, 6) split back
+    lambda x: (x.reshape(-1, 8) @ _W).reshape(3, -1, 2, 3).transpose(1, 2).softmax(-2),  # split into heads
+    lambda x: (x.mean(dim=2), x.argmax(dim=1), x[:, 1:, :2].amax(1), x.select(1, 2)),
+    lambda x: torch.nn.functional.embedding((x[..., 0] > 0).long(), _W),
+], ids=["merge-inner", "linear-3d", "split-heads", "static-reductions-and-slices", "embedding"])
+def test_views_and_lookups_stay_on_buckets(op, caplog, seeded):
+    caplog.set_level(logging.INFO, logger="tpucompile")
+    compiled = torch.compile(op, backend="tpucompile", options=BUCKETED)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", TpuCompileWarning)
+        for n in (5, 7, 12):
+            x = torch.randn(3, n, 8)
+            torch._dynamo.mark_dynamic(x, 1)
+            assert_close_tree(compiled(x), op(x))
+    assert not _per_size_compiles(caplog) and not _bucket_compiles(caplog)
+
+
 def test_llama_training_on_buckets(caplog, seeded):
     from llama import Llama, LlamaConfig
 
@@ -113,7 +135,7 @@ def test_llama_training_on_buckets(caplog, seeded):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for n in (5, 9, 16, 17, 23):
-            tokens = torch.randint(0, 256, (1, n))
+            tokens = torch.randint(0, 256, (2, n))
             torch._dynamo.mark_dynamic(tokens, 1)
             logits = compiled(tokens)
             expected = eager(tokens)

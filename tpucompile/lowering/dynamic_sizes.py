@@ -173,3 +173,30 @@ def zero_padding(value: ir.Value, spec: TensorSpec, dims: list[tuple[int, sympy.
         inside = hlo.compare(positions, limit, hlo.ComparisonDirectionAttr.get("LT"))
         value = hlo.select(inside, value, constant(0, spec.dtype, spec.shape))
     return value
+
+
+def split_dimension(
+    value: ir.Value, spec: TensorSpec, dim: int, group: list[tuple[int, sympy.Expr]], sizes: SizeValues
+) -> ir.Value:
+    """``value`` with dimension ``dim`` split into ``group`` ((bucket size, actual size) per new dimension,
+    outermost first), gathering each element from its place among the actual elements: the merged dimension
+    holds them packed at its start (XLA packs a padded dimension merged with others), where a plain reshape
+    would take the padding of the inner dimensions as data."""
+    shape = [bucket for bucket, _ in group]
+    index = None
+    for position in range(len(group)):
+        stride = sympy.Integer(1)
+        for _, actual in group[position + 1:]:
+            stride *= actual
+        term = hlo.iota(tensor_type(tuple(shape), SIZE_DTYPE), position)
+        if stride != 1:
+            term = hlo.multiply(term, hlo.broadcast_in_dim(tensor_type(tuple(shape), SIZE_DTYPE), sizes.of(stride),
+                                                           ir.DenseI64ArrayAttr.get([])))
+        index = term if index is None else hlo.add(index, term)
+    index = hlo.reshape(tensor_type((*shape, 1), SIZE_DTYPE), index)
+    rank = len(spec.shape)
+    numbers = hlo.GatherDimensionNumbers.get(
+        offset_dims=[*range(dim), *range(dim + len(group), rank - 1 + len(group))], collapsed_slice_dims=[dim],
+        operand_batching_dims=[], start_indices_batching_dims=[], start_index_map=[dim], index_vector_dim=len(group))
+    slice_sizes = [1 if d == dim else spec.shape[d] for d in range(rank)]
+    return hlo.gather(value, index, numbers, ir.DenseI64ArrayAttr.get(slice_sizes), indices_are_sorted=True)

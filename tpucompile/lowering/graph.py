@@ -309,6 +309,11 @@ class _GraphLowering:
         rule = lookup_rule(node.target)
         padded = rule.bound is not None
         symbol = self._bind_data_dependent_size(node, rule.bound) if padded else None
+        if self.sizes is not None and node.target in padding_safety.RESHAPES:
+            kind, detail = padding_safety.reshape_plan(node, self.runtime)
+            if kind == "split":
+                with _location(node):
+                    return self._split_reshape(node, *detail)
         args = [self._materialize(a) for a in node.args]
         kwargs = {k: self._materialize(v) for k, v in node.kwargs.items()}
         if self.sizes is not None and node.target in padding_safety.ZERO_PADDED_OPERAND:
@@ -341,6 +346,19 @@ class _GraphLowering:
                 (result,) = result
         self._check_result(node, ctx, result)
         return result
+
+    def _split_reshape(self, node: torch.fx.Node, dim: int, out_dims: list[int]) -> Any:
+        """A view that splits runtime-sized dimension ``dim`` into ``out_dims`` with the runtime-sized one
+        inside, as ``dynamic_sizes.split_dimension`` gathers it, then reshaped to the view's shape."""
+        source, result = node.args[0].meta["val"], node.meta["val"]
+        group = []
+        for out_dim in range(out_dims[0], out_dims[-1] + 1):
+            size = result.shape[out_dim]
+            expr = sympy.sympify(size.node.expr) if isinstance(size, torch.SymInt) else sympy.Integer(int(size))
+            group.append((self.bindings.resolve(size), expr))
+        split = dynamic_sizes.split_dimension(self.env[node.args[0]], self.bindings.spec(source), dim, group,
+                                              self.sizes)
+        return builder.reshape(split, self.bindings.spec(result).shape)
 
     def _bind_data_dependent_size(self, node: torch.fx.Node, bound: Any) -> sympy.Symbol | None:
         """Bind the op's data-dependent size to its static bound, so its results get padded types.

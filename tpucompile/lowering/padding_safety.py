@@ -103,44 +103,61 @@ def _along_static(dim_position: int) -> Callable[[torch.fx.Node, frozenset[sympy
     return check
 
 
-def _reshape_keeps_padding(node: torch.fx.Node, runtime: frozenset[sympy.Symbol]) -> str | None:
-    """view, reshape: exact when each group of dimensions merged or split holds at most one runtime-sized
-    dimension on either side, and that one is the group's outermost: its padding then stays at the end of the
-    merged dimension. Measured wrong otherwise: (3, s, 8) -> (3 * s, 8) and back around a matrix product, and
-    two runtime sizes merged and split again."""
+RESHAPES = frozenset({aten.view.default, aten._unsafe_view.default, aten.reshape.default})
+
+
+def reshape_plan(node: torch.fx.Node, runtime: frozenset[sympy.Symbol]) -> tuple[str, Any]:
+    """How a view of a runtime-sized tensor stays exact: ("xla", None) when XLA's padder follows it (a
+    runtime-sized dimension kept, merged with others, or split with itself outermost), ("split", (input dim,
+    output dims)) for the one split XLA gets wrong, a runtime-sized dimension split with itself inside (as
+    ``(b * s, n) -> (b, s, n)`` after a matrix product), which the lowering gathers itself; else ("inexact",
+    why). Groups are the runs of dimensions whose products match, found with every symbol set to a large
+    prime (so products of different symbols never collide)."""
     before, after = node.args[0].meta["val"], node.meta["val"]
     sample = {symbol: 1009 + 2 * k for k, symbol in enumerate(sorted(runtime, key=str))}
 
-    def sizes(shape: Any) -> list[tuple[int, bool]]:
+    def sizes(shape: Any) -> list[tuple[int, int, bool]]:
         result = []
-        for size in shape:
+        for dim, size in enumerate(shape):
             expr = sympy.sympify(size.node.expr) if isinstance(size, torch.SymInt) else sympy.Integer(int(size))
-            values = {s: sample.get(s, 1009) for s in expr.free_symbols}
-            result.append((int(expr.xreplace(values)), bool(expr.free_symbols & runtime)))
+            value = int(expr.xreplace({s: sample.get(s, 1009) for s in expr.free_symbols}))
+            if value != 1:
+                result.append((dim, value, bool(expr.free_symbols & runtime)))
         return result
 
-    source, target = [s for s in sizes(before.shape) if s[0] != 1], [s for s in sizes(after.shape) if s[0] != 1]
+    source, target = sizes(before.shape), sizes(after.shape)
+    plan: tuple[str, Any] = ("xla", None)
     i = j = 0
     while i < len(source) and j < len(target):
         group_in, group_out = [source[i]], [target[j]]
-        product_in, product_out = source[i][0], target[j][0]
+        product_in, product_out = source[i][1], target[j][1]
         i, j = i + 1, j + 1
         while product_in != product_out:
             if product_in < product_out and i < len(source):
                 group_in.append(source[i])
-                product_in *= source[i][0]
+                product_in *= source[i][1]
                 i += 1
             elif product_out < product_in and j < len(target):
                 group_out.append(target[j])
-                product_out *= target[j][0]
+                product_out *= target[j][1]
                 j += 1
             else:
-                return "it reshapes a padded dimension in a way tpucompile cannot follow"
-        for group in (group_in, group_out):
-            flags = [dynamic for _, dynamic in group]
-            if sum(flags) > 1 or (len(group) > 1 and any(flags[1:])):
-                return "it merges or splits a padded dimension with others outside it"
-    return None
+                return "inexact", "it reshapes a padded dimension in a way tpucompile cannot follow"
+        flags_in, flags_out = [d for _, _, d in group_in], [d for _, _, d in group_out]
+        if sum(flags_in) > 1 or sum(flags_out) > 1:
+            return "inexact", "it merges or splits two padded dimensions together"
+        if not any(flags_out) or len(group_out) == 1 or flags_out[0]:
+            continue
+        if len(group_in) != 1 or plan[0] == "split":
+            return "inexact", "it splits a padded dimension in a way tpucompile cannot follow"
+        plan = ("split", (group_in[0][0], [dim for dim, _, _ in group_out]))
+    return plan
+
+
+def _reshape_keeps_padding(node: torch.fx.Node, runtime: frozenset[sympy.Symbol]) -> str | None:
+    """view, reshape: exact as ``reshape_plan`` says."""
+    kind, detail = reshape_plan(node, runtime)
+    return detail if kind == "inexact" else None
 
 
 def _static_source(node: torch.fx.Node, runtime: frozenset[sympy.Symbol]) -> str | None:
