@@ -11,9 +11,11 @@ import warnings
 import pytest
 import torch
 
+import tpucompile
 from tests.support import assert_close_tree
 from tpucompile.config import Options
 from tpucompile.errors import OptionsError, TpuCompileWarning
+from tpucompile.runtime import stats
 from tpucompile.runtime.buckets import bucket_size
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
@@ -54,6 +56,7 @@ def _mixed(x: torch.Tensor, w: torch.Tensor):
 
 def test_one_compile_per_bucket_and_eager_results(caplog, seeded):
     caplog.set_level(logging.INFO, logger="tpucompile")
+    stats.reset()
     w = torch.randn(8, 8)
     compiled = torch.compile(_mixed, backend="tpucompile", options=BUCKETED)
     exact = torch.compile(copy.deepcopy(_mixed), backend="tpucompile")
@@ -66,6 +69,10 @@ def test_one_compile_per_bucket_and_eager_results(caplog, seeded):
     # 5..16 share the bucket of 16; 17 and 30 share 32: one compile more, logged with the bucket
     assert len(_bucket_compiles(caplog)) == 1, _bucket_compiles(caplog)
     assert "=17 -> bucket 32" in _bucket_compiles(caplog)[0]
+    (figures,) = [g for g in tpucompile.stats()["graphs"].values() if g["bucket_hits"]]  # not the exact copy's
+    assert figures["compiles"] + sum(figures["hits"].values()) == 2  # a hit: the session cache had it
+    assert len(figures["recompiles"]) == 1 and "bucket 32" in figures["recompiles"][0]
+    assert figures["bucket_hits"] == 4  # six calls, two of them compiled
 
 
 def test_listed_buckets_and_sizes_past_them(caplog, seeded):

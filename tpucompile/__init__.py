@@ -20,6 +20,16 @@ from tpucompile.errors import (
 )
 from tpucompile.sharding.plan import Mesh, ShardPlan, data_parallel, fully_sharded, tensor_parallel
 
+
+def stats() -> dict:
+    """What this process compiled and reused, in total and per graph (by the name its logs use):
+    ``compiles`` (executables compiled), ``hits`` (executables found, by cache tier: memory, local, remote),
+    ``recompiles`` (one reason per compile of a graph after its first: the new sizes or bucket) and
+    ``bucket_hits`` (calls served by the executable of a bucket compiled before)."""
+    from tpucompile.runtime import stats as figures
+
+    return figures.snapshot()
+
 __all__ = [
     "CacheMissError",
     "CompileError",
@@ -35,5 +45,6 @@ __all__ = [
     "__version__",
     "data_parallel",
     "fully_sharded",
+    "stats",
     "tensor_parallel",
 ]

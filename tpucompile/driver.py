@@ -34,6 +34,7 @@ from tpucompile.runtime import (
     get_mesh_target,
     get_target,
     process_count,
+    stats,
 )
 from tpucompile.runtime.buckets import BucketedGraph, runtime_symbols
 from tpucompile.runtime.host_memory import release_free_memory
@@ -412,7 +413,10 @@ def _notify(
     program_tier: str | None,
     obtained: artifacts.LoadedExecutable | artifacts.TargetOutcome,
 ) -> None:
-    """Hand every observer the event of one compile, for this process's devices or a compile-only target."""
+    """Count one compile or cache hit (``stats``) and hand every observer its event, for this process's devices
+    or a compile-only target."""
+    if isinstance(obtained, artifacts.LoadedExecutable):
+        stats.record_executable(name, obtained.tier)
     if not _observers:
         return
     for_target: dict[str, Any] = {}

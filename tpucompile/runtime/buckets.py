@@ -19,6 +19,7 @@ import torch
 
 from tpucompile.lowering import ShapeBindings
 from tpucompile.lowering.dynamic_sizes import SIZE_DTYPE, evaluate, symbolic_dims
+from tpucompile.runtime import stats
 from tpucompile.runtime.specialize import call_signature
 
 log = logging.getLogger("tpucompile")
@@ -132,8 +133,10 @@ class BucketedGraph:
         entry = self._entries.get(bucket)
         if entry is None:
             entry = self._specialize(bucket, values)
-        elif self._last != bucket:
-            self._entries.move_to_end(bucket)
+        else:
+            if self._last != bucket:
+                self._entries.move_to_end(bucket)
+            stats.record_bucket_hit(self.name)
         self._last = bucket
         runner, shapes = entry
         padded = list(full)
@@ -162,6 +165,7 @@ class BucketedGraph:
         described = ", ".join(f"{s}={values[s]} -> bucket {b}" for s, b in bounds.items())
         if self._last is not None:
             self.recompiles.append(described)
+            stats.record_recompile(self.name, f"new bucket: {described}")
             log.info("compiling %s for a new bucket: %s (%d buckets compiled)", self.name, described,
                      len(self._entries) + 1)
         bindings = ShapeBindings(bounds, runtime=frozenset(self.symbols))

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from tpucompile.runtime import stats
+
 log = logging.getLogger("tpucompile")
 
 Signature = tuple[Any, ...]
@@ -74,6 +76,7 @@ class ShapeSpecializer:
         if self._last is not None:
             reason = recompile_reason(self._last, signature, self._input_names)
             self.recompiles.append(reason)
+            stats.record_recompile(self.name, f"new sizes: {reason}")
             log.info("recompiling %s for new sizes: %s (%d shapes compiled)",
                      self.name, reason, len(self._entries) + 1)
         runner = self._build(args)
