@@ -13,6 +13,7 @@ import torch
 
 import tpucompile
 from tests.support import assert_close_tree
+from tpucompile import driver
 from tpucompile.config import Options
 from tpucompile.errors import OptionsError, TpuCompileWarning
 from tpucompile.runtime import stats
@@ -132,13 +133,15 @@ def test_views_and_lookups_stay_on_buckets(op, caplog, seeded):
     assert not _per_size_compiles(caplog) and not _bucket_compiles(caplog)
 
 
-def test_llama_training_on_buckets(caplog, seeded):
+@pytest.mark.parametrize("unmerged", [True, False], ids=["unmerged-products", "merged-views"])
+def test_llama_training_on_buckets(unmerged, caplog, seeded):
     from llama import Llama, LlamaConfig
 
     caplog.set_level(logging.INFO, logger="tpucompile")
     model = Llama(LlamaConfig())
     eager = copy.deepcopy(model)
-    compiled = torch.compile(model, backend="tpucompile", options=BUCKETED)
+    compiled = torch.compile(model, backend="tpucompile",
+                             options={**BUCKETED, "bucket_unmerged_products": unmerged})
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for n in (5, 9, 16, 17, 23):
@@ -158,3 +161,26 @@ def test_llama_training_on_buckets(caplog, seeded):
     # forward and backward each: the bucket of 16, then 32 for 17 and 23
     assert sorted(m.split(") for a new bucket")[0].split("(")[-1] for m in _bucket_compiles(caplog)) == [
         "backward", "forward"]
+
+
+@pytest.mark.parametrize("unmerged", [True, False])
+def test_products_of_merged_views_take_the_unmerged_tensor(unmerged, seeded):
+    """A linear on (2, s, 8) is a view to (2 * s, 8), a product and a view back; in a bucketed program the
+    product takes the (2, 16, 8) tensor itself (no merge for XLA to pack), unless switched off."""
+    programs = []
+    remove = driver.add_observer(lambda event: programs.append(event.program.text()))
+    try:
+        weight = torch.randn(6, 8)
+        compiled = torch.compile(lambda x: torch.nn.functional.linear(x, weight), backend="tpucompile",
+                                 options={**BUCKETED, "cache_mode": "off", "bucket_unmerged_products": unmerged})
+        for n in (5, 7):
+            x = torch.randn(2, n, 8)
+            torch._dynamo.mark_dynamic(x, 1)
+            assert_close_tree(compiled(x), torch.nn.functional.linear(x, weight))
+    finally:
+        remove()
+    (text,) = programs
+    products = [line for line in text.splitlines() if "stablehlo.dot_general" in line]
+    assert len(products) == 1
+    assert ("tensor<2x16x8xf32>" in products[0]) == unmerged
+    assert ("tensor<32x8xf32>" in products[0]) == (not unmerged)

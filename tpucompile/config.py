@@ -59,6 +59,11 @@ class Options:
     bucket_minimum: int = 16
     """The smallest power-of-two bucket, so that small sizes share one executable."""
 
+    bucket_unmerged_products: bool = True
+    """In bucketed programs, matrix products take a view that merges a runtime-sized dimension inside others
+    (``linear`` on a (batch, sequence, features) input) as the unmerged tensor, instead of the merge, which
+    XLA's padder compiles into packing the actual rows on every call (``lowering/unmerged.py``)."""
+
     verify: bool = True
     """Run the MLIR verifier on every lowered module before compiling it."""
 

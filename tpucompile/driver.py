@@ -300,7 +300,8 @@ def _compile_region(
         return build(ShapeBindings())
     if _bucketable(gm, metas, target, options, name):  # the bucketed graph pads the constants with the rest
         return BucketedGraph(name, gm, lambda bindings: build(bindings, []), lifted_constants, options.buckets,
-                             options.bucket_minimum, options.max_shape_specializations)
+                             options.bucket_minimum, options.max_shape_specializations,
+                             options.bucket_unmerged_products)
 
     def build_for_call(args: list[Any]) -> GraphExecutable:
         actual = [*args, *lifted_constants]

@@ -55,6 +55,7 @@ def encode_graph(gm: torch.fx.GraphModule, bindings: ShapeBindings, values: bool
     encoded: dict[str, Any] = {"nodes": nodes}
     if bindings.runtime:  # a bucketed program: its sizes above are the bucket's, these come at run time
         encoded["runtime_sizes"] = sorted(str(s) for s in bindings.runtime)
+        encoded["unmerged_products"] = bindings.unmerged_products
     return digest(canonical_json(encoded)), digest(canonical_json({"locations": locations}))
 
 

@@ -27,7 +27,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from tpucompile import diagnostics
 from tpucompile.donation_marks import DONATABLE, SAVED, UPDATED, kind_of
 from tpucompile.errors import LoweringError, TpuCompileError, UnsupportedOpError
-from tpucompile.lowering import builder, dynamic_sizes, padding_safety, sharding
+from tpucompile.lowering import builder, dynamic_sizes, padding_safety, sharding, unmerged
 from tpucompile.lowering.context import mlir_context
 from tpucompile.lowering.registry import LoweringContext, is_random, lookup_rule, size_bound
 from tpucompile.lowering.rng import SEED_SHAPE, RandomStream
@@ -91,8 +91,8 @@ class _GraphLowering:
     def __init__(self, gm: torch.fx.GraphModule, bindings: ShapeBindings, donate: frozenset[str]) -> None:
         self.gm = gm
         self.donate = donate
-        self.bindings = ShapeBindings(dict(bindings.values), bindings.runtime)  # data-dependent sizes get
-        # bound to their bounds
+        self.bindings = ShapeBindings(dict(bindings.values), bindings.runtime, bindings.unmerged_products)  #
+        # data-dependent sizes get bound to their bounds
         self.runtime = bindings.runtime
         self.sizes: dynamic_sizes.SizeValues | None = None
         """The values of runtime size expressions, in a bucketed program."""
@@ -200,7 +200,7 @@ class _GraphLowering:
 
     def _result(self, node: torch.fx.Node) -> Any:
         """The program result for ``node``: its value, of a fixed shape in a bucketed program."""
-        value = self.env[node]
+        value = unmerged.materialize(self.env[node])
         if self.sizes is None:
             return value
         dims = dynamic_sizes.symbolic_dims(node.meta["val"], self.runtime)
@@ -209,6 +209,8 @@ class _GraphLowering:
     def _marked(self, val: Any, value: Any) -> Any:
         """``value`` with its runtime-sized dimensions marked (``dynamic_sizes``), element-wise for the results
         of an op with several."""
+        if isinstance(value, unmerged.Unmerged):
+            return value  # its value was marked as the leading sizes it keeps
         if isinstance(val, torch.Tensor):
             dims = dynamic_sizes.symbolic_dims(val, self.runtime)
             return dynamic_sizes.mark_dynamic(value, self.bindings.spec(val), dims, self.sizes) if dims else value
@@ -309,6 +311,11 @@ class _GraphLowering:
         rule = lookup_rule(node.target)
         padded = rule.bound is not None
         symbol = self._bind_data_dependent_size(node, rule.bound) if padded else None
+        if self.sizes is not None and self.bindings.unmerged_products:
+            kept = unmerged.lower(node, self.env, self.runtime, _tensor_dtype(val))
+            if kept is not None:
+                with _location(node):
+                    return kept
         if self.sizes is not None and node.target in padding_safety.RESHAPES:
             kind, detail = padding_safety.reshape_plan(node, self.runtime)
             if kind == "split":
@@ -356,7 +363,7 @@ class _GraphLowering:
             size = result.shape[out_dim]
             expr = sympy.sympify(size.node.expr) if isinstance(size, torch.SymInt) else sympy.Integer(int(size))
             group.append((self.bindings.resolve(size), expr))
-        split = dynamic_sizes.split_dimension(self.env[node.args[0]], self.bindings.spec(source), dim, group,
+        split = dynamic_sizes.split_dimension(self._materialize(node.args[0]), self.bindings.spec(source), dim, group,
                                               self.sizes)
         return builder.reshape(split, self.bindings.spec(result).shape)
 
@@ -420,7 +427,7 @@ class _GraphLowering:
 
     def _materialize(self, arg: Any) -> Any:
         if isinstance(arg, torch.fx.Node):
-            return self.env[arg]
+            return unmerged.materialize(self.env[arg])
         if isinstance(arg, (list, tuple)):
             return type(arg)(self._materialize(a) for a in arg)
         return self.bindings.resolve(arg)
@@ -450,6 +457,10 @@ def unsupported_reason(node: torch.fx.Node) -> str | None:
 def has_data_dependent_size(node: torch.fx.Node) -> bool:
     """Whether ``node`` is an op whose result size depends on the data (lowered padded, see the module doc)."""
     return node.op == "call_function" and size_bound(node.target) is not None
+
+
+def _tensor_dtype(val: Any) -> torch.dtype | None:
+    return val.dtype if isinstance(val, torch.Tensor) else None
 
 
 def _meta(arg: Any) -> Any:

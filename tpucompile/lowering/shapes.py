@@ -30,12 +30,15 @@ class ShapeBindings:
     """A map from size symbols to the concrete values of one call."""
 
     def __init__(
-        self, values: dict[sympy.Symbol, int] | None = None, runtime: frozenset[sympy.Symbol] = frozenset()
+        self, values: dict[sympy.Symbol, int] | None = None, runtime: frozenset[sympy.Symbol] = frozenset(),
+        unmerged_products: bool = True,
     ) -> None:
         self.values: dict[sympy.Symbol, sympy.Expr] = {k: sympy.sympify(v) for k, v in (values or {}).items()}
         self.runtime = frozenset(runtime)
         """Symbols whose value here is a bucket's bound: the program takes their actual values as arguments
         (``dynamic_sizes``)."""
+        self.unmerged_products = unmerged_products
+        """With ``runtime`` symbols: matrix products take merged views unmerged (``lowering.unmerged``)."""
 
     @classmethod
     def from_inputs(cls, metas: Sequence[Any], actuals: Sequence[Any]) -> ShapeBindings:

@@ -77,6 +77,7 @@ class BucketedGraph:
         bucket_sizes: Sequence[int],
         bucket_minimum: int,
         max_entries: int,
+        unmerged_products: bool = True,
     ) -> None:
         self._boxed_call = True  # AOTAutograd passes the arguments as one list
         self.name = name
@@ -84,6 +85,7 @@ class BucketedGraph:
         self._constants = list(constants)
         self._sizes = tuple(bucket_sizes)
         self._minimum = bucket_minimum
+        self._unmerged_products = unmerged_products
         self._max_entries = max(1, max_entries)
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         self._metas = [n.meta.get("val") for n in placeholders]
@@ -168,7 +170,7 @@ class BucketedGraph:
             stats.record_recompile(self.name, f"new bucket: {described}")
             log.info("compiling %s for a new bucket: %s (%d buckets compiled)", self.name, described,
                      len(self._entries) + 1)
-        bindings = ShapeBindings(bounds, runtime=frozenset(self.symbols))
+        bindings = ShapeBindings(bounds, runtime=frozenset(self.symbols), unmerged_products=self._unmerged_products)
         shapes = {position: bindings.spec(self._metas[position]).shape for position, _ in self._padded}
         entry = (self._build(bindings), shapes)
         self._entries[bucket] = entry

@@ -1,0 +1,152 @@
+"""Changing sequence lengths: compiles, total time and steady-state step time, per-size executables against
+bucketed ones, against Inductor with ``dynamic=True`` and eager PyTorch, all in this one process.
+
+    python bench/buckets.py                       # every workload
+    python bench/buckets.py --workloads sweep15   # one
+
+Workloads (a 2-layer Llama, ``examples/llama.py``, dim 256, random weights, batch 2):
+- ``sweep15``: forward at 15 lengths from 5 to 127; ``sweep50``: at 50 lengths from 5 to 250;
+- ``train``: forward, backward and an SGD step at 12 lengths from 9 to 200;
+- ``generate``: greedy generation of 64 tokens from an 8-token prompt, the whole sequence run again for every
+  new token (no KV cache), so every step is a new length.
+Each backend starts with Dynamo reset and the persistent cache off, so every executable counts as a compile.
+The sequence dimension is marked dynamic from the first call, as ``torch._dynamo.mark_dynamic`` does.
+Steady state: the median of 30 calls at one length (100, bucket 128) after the sweep, against the same
+backend's exact-size executable where it has one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
+
+from llama import Llama, LlamaConfig
+
+from tpucompile.runtime import stats
+
+BACKENDS = {
+    "tpucompile-exact": dict(backend="tpucompile", options={"dynamic_mode": "exact", "cache_mode": "off"}),
+    "tpucompile-bucket": dict(backend="tpucompile", options={"dynamic_mode": "bucket", "cache_mode": "off"}),
+    "inductor-dynamic": dict(backend="inductor", dynamic=True),
+    "eager": None,
+}
+LENGTHS = {
+    "sweep15": [5, 13, 21, 29, 37, 45, 53, 61, 69, 77, 85, 93, 101, 115, 127],
+    "sweep50": [5 + 5 * k for k in range(50)],
+    "train": [9, 17, 30, 41, 55, 64, 77, 90, 111, 130, 160, 200],
+}
+BATCH = 2
+STEADY_LENGTH = 100
+
+
+def model() -> Llama:
+    torch.manual_seed(0)
+    return Llama(LlamaConfig(vocab_size=1024, dim=256, n_layers=2, n_heads=8, n_kv_heads=4, hidden_dim=704,
+                             max_seq_len=512))
+
+
+def _tokens(length: int) -> torch.Tensor:
+    tokens = torch.randint(0, 1024, (BATCH, length))
+    torch._dynamo.mark_dynamic(tokens, 1)
+    return tokens
+
+
+def _compiled(net: torch.nn.Module, backend: str):
+    spec = BACKENDS[backend]
+    if spec is None:
+        return net
+    return torch.compile(net, **spec)
+
+
+def _compiles(backend: str) -> int | None:
+    if not backend.startswith("tpucompile"):
+        return None
+    return stats.snapshot()["total"]["compiles"]
+
+
+def _steady_ms(step, length: int) -> float:
+    tokens = _tokens(length)
+    for _ in range(3):
+        step(tokens)
+    times = []
+    for _ in range(30):
+        start = time.perf_counter()
+        step(tokens)
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+def run(workload: str, backend: str) -> dict:
+    torch._dynamo.reset()
+    stats.reset()
+    net = model()
+    compiled = _compiled(net, backend)
+    if workload == "train":
+        optimizer = torch.optim.SGD(net.parameters(), lr=1e-3)
+
+        def step(tokens: torch.Tensor) -> None:
+            loss = compiled(tokens).float().pow(2).mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    else:
+        def step(tokens: torch.Tensor) -> None:
+            with torch.no_grad():
+                compiled(tokens)
+
+    start = time.perf_counter()
+    if workload == "generate":
+        sequence = torch.randint(0, 1024, (BATCH, 8))
+        with torch.no_grad():
+            for _ in range(64):
+                torch._dynamo.mark_dynamic(sequence, 1)
+                logits = compiled(sequence)[:, -1]
+                sequence = torch.cat([sequence, logits.argmax(-1, keepdim=True)], dim=1)
+    else:
+        for length in LENGTHS[workload]:
+            step(_tokens(length))
+    total = time.perf_counter() - start
+    compiles = _compiles(backend)
+    steady = _steady_ms(step, STEADY_LENGTH)
+    return {"workload": workload, "backend": backend, "total_s": round(total, 2), "compiles": compiles,
+            "steady_ms": round(steady, 2)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workloads", default="sweep15,sweep50,train,generate")
+    parser.add_argument("--backends", default=",".join(BACKENDS))
+    parser.add_argument("--json", help="write the rows to this file")
+    args = parser.parse_args()
+    rows = []
+    for workload in args.workloads.split(","):
+        for backend in args.backends.split(","):
+            row = run(workload, backend)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    print()
+    print(f"{'workload':10} {'backend':18} {'compiles':>8} {'total s':>8} {'steady ms':>9}  ratios in the workload")
+    for row in rows:
+        same = {r["backend"]: r for r in rows if r["workload"] == row["workload"]}
+        exact = same.get("tpucompile-exact")
+        ratios = ""
+        if exact is not None and row["backend"] != "tpucompile-exact":
+            ratios = (f"total {row['total_s'] / exact['total_s']:.2f}x of exact, "
+                      f"step {row['steady_ms'] / exact['steady_ms']:.2f}x of exact")
+        compiles = "-" if row["compiles"] is None else row["compiles"]
+        print(f"{row['workload']:10} {row['backend']:18} {compiles:>8} {row['total_s']:>8.2f} "
+              f"{row['steady_ms']:>9.2f}  {ratios}")
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
