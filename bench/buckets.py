@@ -9,15 +9,18 @@ Workloads (a 2-layer Llama, ``examples/llama.py``, dim 256, random weights, batc
 - ``train``: forward, backward and an SGD step at 12 lengths from 9 to 200;
 - ``generate``: greedy generation of 64 tokens from an 8-token prompt, the whole sequence run again for every
   new token (no KV cache), so every step is a new length.
-Each backend starts with Dynamo reset and the persistent cache off, so every executable counts as a compile.
+Each backend starts with Dynamo reset, tpucompile's in-process caches cleared and its persistent cache off, so
+every executable counts as a compile.
 The sequence dimension is marked dynamic from the first call, as ``torch._dynamo.mark_dynamic`` does.
 Steady state: the median of 30 calls at one length (100, bucket 128) after the sweep, against the same
-backend's exact-size executable where it has one.
+backend's exact-size executable where it has one. Then XLA's TPU estimate of the same programs at length 100
+(``--tpu-target``, compiled here with libtpu): the measure that counts, since the CPU is where we test.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import pathlib
 import statistics
@@ -30,6 +33,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples")
 
 from llama import Llama, LlamaConfig
 
+from tpucompile.artifacts import stores
 from tpucompile.runtime import stats
 
 BACKENDS = {
@@ -86,6 +90,7 @@ def _steady_ms(step, length: int) -> float:
 
 def run(workload: str, backend: str) -> dict:
     torch._dynamo.reset()
+    stores.clear_memory()  # no executable of an earlier workload or backend is reused
     stats.reset()
     net = model()
     compiled = _compiled(net, backend)
@@ -120,11 +125,53 @@ def run(workload: str, backend: str) -> dict:
             "steady_ms": round(steady, 2)}
 
 
+def _keep_target_events(events: list, event: object) -> None:
+    if getattr(event, "target", None):
+        events.append(event)
+
+
+def tpu_costs(target: str) -> list[dict]:
+    """XLA's TPU estimate for ``target`` (compiled here, not run) of the forward and of a training step's
+    programs at length 100: the exact-size executable, the bucketed one (bucket 128), and the bucketed one
+    with merged views left to XLA's padder (``bucket_unmerged_products=False``)."""
+    from tpucompile import driver
+
+    modes = {"exact": {"dynamic_mode": "exact"}, "bucket": {"dynamic_mode": "bucket"},
+             "bucket, merged views": {"dynamic_mode": "bucket", "bucket_unmerged_products": False}}
+    rows = []
+    for mode, options in modes.items():
+        for training in (False, True):
+            torch._dynamo.reset()
+            stores.clear_memory()
+            events: list = []
+            remove = driver.add_observer(functools.partial(_keep_target_events, events))
+            try:
+                net = model()
+                compiled = torch.compile(net, backend="tpucompile",
+                                         options={**options, "cache_mode": "off", "targets": [target]})
+                for length in (97, STEADY_LENGTH):  # a bucketed graph compiles its bucket at the first
+                    if training:
+                        compiled(_tokens(length)).float().pow(2).mean().backward()
+                    else:
+                        with torch.no_grad():
+                            compiled(_tokens(length))
+            finally:
+                remove()
+            last = {event.name: event for event in events}  # per graph, its program for the last length
+            for event in last.values():
+                rows.append({"mode": mode, "graph": event.name.split("(")[-1].rstrip(")"),
+                             "cycles": event.report.get("estimated_cycles"),
+                             "bytes_accessed": event.report.get("bytes_accessed"), "flops": event.report.get("flops")})
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workloads", default="sweep15,sweep50,train,generate")
     parser.add_argument("--backends", default=",".join(BACKENDS))
     parser.add_argument("--json", help="write the rows to this file")
+    parser.add_argument("--tpu-target", default="tpu:v5e:1x1",
+                        help="also report XLA's TPU estimate for this target at length 100 ('' to skip)")
     args = parser.parse_args()
     rows = []
     for workload in args.workloads.split(","):
@@ -144,8 +191,18 @@ def main() -> None:
         compiles = "-" if row["compiles"] is None else row["compiles"]
         print(f"{row['workload']:10} {row['backend']:18} {compiles:>8} {row['total_s']:>8.2f} "
               f"{row['steady_ms']:>9.2f}  {ratios}")
+    costs = tpu_costs(args.tpu_target) if args.tpu_target else []
+    if costs:
+        print(f"\nXLA's estimate for {args.tpu_target} at length {STEADY_LENGTH} (cycles, sum over the "
+              f"entry's instructions; bytes accessed)")
+        exact = {row["graph"]: row for row in costs if row["mode"] == "exact"}
+        for row in costs:
+            base = exact.get(row["graph"])
+            ratio = f"{row['cycles'] / base['cycles']:.2f}x of exact" if base and base["cycles"] else ""
+            print(f"{row['mode']:22} {row['graph']:10} {row['cycles']:>10} cycles {row['bytes_accessed']:.3g} "
+                  f"bytes  {ratio}")
     if args.json:
-        pathlib.Path(args.json).write_text(json.dumps(rows, indent=1))
+        pathlib.Path(args.json).write_text(json.dumps({"rows": rows, "tpu": costs}, indent=1))
 
 
 if __name__ == "__main__":

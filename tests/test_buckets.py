@@ -184,3 +184,24 @@ def test_products_of_merged_views_take_the_unmerged_tensor(unmerged, seeded):
     assert len(products) == 1
     assert ("tensor<2x16x8xf32>" in products[0]) == unmerged
     assert ("tensor<32x8xf32>" in products[0]) == (not unmerged)
+
+
+_SWEPT = ["add", "mul", "div", "where", "exp", "tanh", "sigmoid", "nn.functional.gelu", "softmax", "log_softmax",
+          "sum", "amax", "argmax", "mean", "var", "prod", "logsumexp", "matmul", "mm", "bmm", "linear",
+          "nn.functional.layer_norm", "nn.functional.embedding", "cumsum", "sort", "flip", "cat", "transpose",
+          "reshape", "view", "expand", "narrow", "select", "index_select", "triu", "masked_fill", "clamp",
+          "nn.functional.cross_entropy", "nn.functional.relu", "pow", "rsqrt"]
+"""OpInfos covering the lowering families a model's dynamic dimension meets (the whole database:
+``python -m tests.opinfo.buckets``)."""
+
+
+@pytest.mark.slow
+def test_opinfo_samples_with_a_dynamic_dimension_match_eager():
+    from tests.opinfo import buckets as opinfo_buckets
+
+    results = opinfo_buckets.run([o for o in opinfo_buckets.sweep.load_op_db() if o.name in _SWEPT], [0, -1],
+                                 torch.float32, 1)
+    wrong = [r for r in results if r.outcome in ("mismatch", "crash")]
+    assert not wrong, wrong
+    outcomes = {r.outcome for r in results}
+    assert {"bucketed", "per-size"} <= outcomes, outcomes  # both paths were exercised
