@@ -111,6 +111,23 @@ def test_ops_that_read_the_padded_extent_compile_per_size(op, why, caplog, seede
     assert len(_per_size_compiles(caplog)) == 2  # 6 and 7 after 5: the exact path
 
 
+@pytest.mark.parametrize("mode", ["exact", "bucket"])
+@pytest.mark.parametrize("op", [
+    lambda x: x.chunk(2, dim=2),
+    lambda x: x[:, :1].expand(x.shape[0], 4, 6),
+    lambda x: (x.transpose(0, 1), x.unbind(1)),
+], ids=["chunk", "expand", "transpose-unbind"])
+def test_outputs_that_view_inputs_keep_their_layout(op, mode, seeded):
+    """AOTAutograd remakes such an output from the input with the layout of the tensor the graph returned
+    when the view took symbolic sizes; that layout must be the view's (it was a fresh contiguous tensor: the
+    expand raised, OpInfo's chunk sample gave wrong values)."""
+    compiled = torch.compile(op, backend="tpucompile", options={"dynamic_mode": mode})
+    for n in (5, 6, 7):
+        x = torch.randn(n, 4, 6)
+        torch._dynamo.mark_dynamic(x, 0)
+        assert_close_tree(compiled(x), op(x))
+
+
 _W = torch.randn(8, 6)
 
 
@@ -190,7 +207,8 @@ _SWEPT = ["add", "mul", "div", "where", "exp", "tanh", "sigmoid", "nn.functional
           "sum", "amax", "argmax", "mean", "var", "prod", "logsumexp", "matmul", "mm", "bmm", "linear",
           "nn.functional.layer_norm", "nn.functional.embedding", "cumsum", "sort", "flip", "cat", "transpose",
           "reshape", "view", "expand", "narrow", "select", "index_select", "triu", "masked_fill", "clamp",
-          "nn.functional.cross_entropy", "nn.functional.relu", "pow", "rsqrt"]
+          "nn.functional.cross_entropy", "nn.functional.relu", "pow", "rsqrt", "chunk", "expand_as", "flatten",
+          "movedim", "diagonal"]
 """OpInfos covering the lowering families a model's dynamic dimension meets (the whole database:
 ``python -m tests.opinfo.buckets``)."""
 

@@ -38,6 +38,7 @@ from tpucompile.runtime import (
 )
 from tpucompile.runtime.buckets import BucketedGraph, runtime_symbols
 from tpucompile.runtime.host_memory import release_free_memory
+from tpucompile.runtime.input_views import input_views
 from tpucompile.runtime.targets.compile_only import compile_targets, spanning
 from tpucompile.sharding.annotate import record_layouts
 from tpucompile.sharding.plan import Dims
@@ -310,7 +311,8 @@ def _compile_region(
         return build(bindings)
 
     names = [n.name for n in placeholders[:user_arg_count]]
-    return ShapeSpecializer(name, build_for_call, names, options.max_shape_specializations)
+    return ShapeSpecializer(name, build_for_call, names, options.max_shape_specializations, input_views(gm),
+                            [*metas[:user_arg_count]])
 
 
 def _bucketable(gm: torch.fx.GraphModule, metas: list[Any], target: Any, options: Options, name: str) -> bool:

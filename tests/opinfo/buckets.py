@@ -91,6 +91,8 @@ def run_sample(opinfo: Any, dtype: torch.dtype, sample: Any, dim: int) -> tuple[
                 torch.manual_seed(0)
                 got = sweep._call(opinfo, variant, compiled)
             except Exception as error:
+                if "ConstraintViolation" in type(error).__name__:  # Dynamo specialised the marked size
+                    return "dynamo", str(error).splitlines()[0][:300]
                 return sweep._classify_error(error)
         per_size = per_size or next((str(w.message) for w in caught if "once per size" in str(w.message)), "")
         if opinfo.name in sweep.UNDEFINED_VALUES:

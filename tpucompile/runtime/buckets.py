@@ -20,6 +20,7 @@ import torch
 from tpucompile.lowering import ShapeBindings
 from tpucompile.lowering.dynamic_sizes import SIZE_DTYPE, evaluate, symbolic_dims
 from tpucompile.runtime import stats
+from tpucompile.runtime.input_views import input_views, replace_views
 from tpucompile.runtime.specialize import call_signature
 
 log = logging.getLogger("tpucompile")
@@ -96,6 +97,7 @@ class BucketedGraph:
         self._padded = [(position, symbolic_dims(meta, runtime)) for position, meta in enumerate(self._metas)
                         if isinstance(meta, torch.Tensor) and symbolic_dims(meta, runtime)]
         self._outputs = [self._output_rule(out, placeholders, runtime) for out in _graph_outputs(gm)]
+        self._views = input_views(gm)
         self._entries: collections.OrderedDict[Bucket, tuple[Callable, dict[int, tuple[int, ...]]]] = (
             collections.OrderedDict())
         self._checked: set[Any] = set()
@@ -146,7 +148,9 @@ class BucketedGraph:
             padded[position] = _pad(full[position], shapes[position])
         sizes = [torch.tensor(values[s], dtype=SIZE_DTYPE) for s in self.symbols]
         results = runner([*padded, *sizes])
-        return [self._output(result, rule, full, values) for result, rule in zip(results, self._outputs, strict=True)]
+        outputs = [self._output(result, rule, full, values)
+                   for result, rule in zip(results, self._outputs, strict=True)]
+        return replace_views(outputs, self._views, full, values) if self._views else outputs
 
     def _output(self, result: Any, rule: tuple[str, Any], args: list[Any], values: dict) -> Any:
         kind, detail = rule
@@ -158,8 +162,8 @@ class BucketedGraph:
             actual = list(result.shape)
             for dim, expr in detail:
                 actual[dim] = evaluate(expr, values)
-            if actual != list(result.shape):
-                return result[tuple(slice(0, n) for n in actual)].contiguous()
+            if actual != list(result.shape):  # a copy, never a view: AutoGrad replays an output that aliases
+                return result[tuple(slice(0, n) for n in actual)].clone()  # an input from the output's base
         return result
 
     def _specialize(self, bucket: Bucket, values: dict[sympy.Symbol, int]) -> tuple[Callable, dict]:

@@ -14,7 +14,9 @@ from typing import Any
 
 import torch
 
+from tpucompile.lowering import ShapeBindings
 from tpucompile.runtime import stats
+from tpucompile.runtime.input_views import InputView, replace_views
 
 log = logging.getLogger("tpucompile")
 
@@ -50,6 +52,8 @@ class ShapeSpecializer:
         build: Callable[[list[Any]], Callable[[list[Any]], Any]],
         input_names: Sequence[str],
         max_entries: int,
+        views: Sequence[InputView] = (),
+        metas: Sequence[Any] = (),
     ) -> None:
         self._boxed_call = True  # AOTAutograd passes the arguments as one list (an instance
         # attribute, so that the wrappers Dynamo puts around a backward copy it with the __dict__)
@@ -57,6 +61,9 @@ class ShapeSpecializer:
         self._build = build
         self._input_names = list(input_names)
         self._max_entries = max(1, max_entries)
+        self._views = list(views)
+        """Outputs that are views of inputs, remade from the actual inputs (``input_views``)."""
+        self._metas = list(metas)
         self._entries: collections.OrderedDict[Signature, Callable] = collections.OrderedDict()
         self._last: Signature | None = None
         self.recompiles: list[str] = []
@@ -70,7 +77,11 @@ class ShapeSpecializer:
         elif self._last != signature:
             self._entries.move_to_end(signature)
         self._last = signature
-        return runner(args)
+        if not self._views:
+            return runner(args)
+        outputs = list(runner(args))
+        bound = ShapeBindings.from_inputs(self._metas, args)
+        return replace_views(outputs, self._views, args, {s: int(v) for s, v in bound.values.items()})
 
     def _specialize(self, signature: Signature, args: list[Any]) -> Callable:
         if self._last is not None:
