@@ -7,6 +7,7 @@ The backend name is registered through the ``torch_dynamo_backends`` entry point
 
 __version__ = "0.1.0"
 
+from tpucompile import compile_stats
 from tpucompile.config import Options
 from tpucompile.errors import (
     CacheMissError,
@@ -26,9 +27,7 @@ def stats() -> dict:
     ``compiles`` (executables compiled), ``hits`` (executables found, by cache tier: memory, local, remote),
     ``recompiles`` (one reason per compile of a graph after its first: the new sizes or bucket) and
     ``bucket_hits`` (calls served by the executable of a bucket compiled before)."""
-    from tpucompile.runtime import stats as figures
-
-    return figures.snapshot()
+    return compile_stats.snapshot()
 
 __all__ = [
     "CacheMissError",

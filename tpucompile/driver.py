@@ -19,6 +19,7 @@ import torch
 import torch.fx
 
 from tpucompile import artifacts, diagnostics
+from tpucompile import compile_stats as stats
 from tpucompile.cache import MemoryStore
 from tpucompile.config import Options
 from tpucompile.errors import CompileError, LoweringError, TpuCompileError, TpuCompileWarning, UnsupportedOpError
@@ -34,11 +35,11 @@ from tpucompile.runtime import (
     get_mesh_target,
     get_target,
     process_count,
-    stats,
 )
-from tpucompile.runtime.buckets import BucketedGraph, runtime_symbols
+from tpucompile.runtime.buckets import BucketedGraph
 from tpucompile.runtime.host_memory import release_free_memory
 from tpucompile.runtime.input_views import input_views
+from tpucompile.runtime.size_expressions import runtime_symbols
 from tpucompile.runtime.targets.compile_only import compile_targets, spanning
 from tpucompile.sharding.annotate import record_layouts
 from tpucompile.sharding.plan import Dims
@@ -300,9 +301,11 @@ def _compile_region(
     if not any(is_symbolic(m) for m in metas):
         return build(ShapeBindings())
     if _bucketable(gm, metas, target, options, name):  # the bucketed graph pads the constants with the rest
-        return BucketedGraph(name, gm, lambda bindings: build(bindings, []), lifted_constants, options.buckets,
-                             options.bucket_minimum, options.max_shape_specializations,
-                             options.bucket_unmerged_products)
+        def build_for_bucket(bounds: dict, runtime: frozenset) -> GraphExecutable:
+            return build(ShapeBindings(bounds, runtime, options.bucket_unmerged_products), [])
+
+        return BucketedGraph(name, gm, build_for_bucket, lifted_constants, options.buckets,
+                             options.bucket_minimum, options.max_shape_specializations)
 
     def build_for_call(args: list[Any]) -> GraphExecutable:
         actual = [*args, *lifted_constants]

@@ -14,92 +14,18 @@ others (``Mod``, a negative coefficient) make the graph compile per size instead
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
 import sympy
-import torch
 from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import stablehlo as hlo
 
 from tpucompile.lowering.builder import constant
 from tpucompile.lowering.types import TensorSpec, tensor_type
+from tpucompile.runtime.size_expressions import SIZE_DTYPE, UnboundedSize, check_bounded, evaluate, symbolic_dims
 
-SIZE_DTYPE = torch.int32
-"""The type of a size argument (``set_dimension_size`` takes an ``i32``)."""
-
-
-class UnboundedSize(Exception):
-    """A size expression whose value at the bucket does not bound its value below it."""
-
-
-def _floor_div(a: int, b: int) -> int:
-    return a // b
-
-
-_PYTHON: dict[str, Callable[..., int]] = {
-    "Add": lambda *xs: sum(xs),
-    "Mul": lambda *xs: _product(xs),
-    "FloorDiv": _floor_div,
-    "CleanDiv": _floor_div,
-    "Max": lambda *xs: max(xs),
-    "Min": lambda *xs: min(xs),
-}
-
-
-def _product(values: tuple[int, ...]) -> int:
-    result = 1
-    for value in values:
-        result *= value
-    return result
-
-
-def evaluate(expr: sympy.Expr, values: Mapping[sympy.Symbol, int]) -> int:
-    """The value of a size expression for concrete symbol values (the forms ``check_bounded`` admits)."""
-    if isinstance(expr, sympy.Symbol):
-        return int(values[expr])
-    if isinstance(expr, (sympy.Integer, int)):
-        return int(expr)
-    operation = _PYTHON.get(type(expr).__name__)
-    if operation is None:
-        raise UnboundedSize(f"size expression {expr} has an operation tpucompile cannot bound ({type(expr).__name__})")
-    return operation(*(evaluate(arg, values) for arg in expr.args))
-
-
-def check_bounded(expr: sympy.Expr) -> None:
-    """Raise ``UnboundedSize`` unless ``expr`` never decreases as any symbol grows (so its value at the bucket
-    holds every value below it)."""
-    if isinstance(expr, (sympy.Symbol, sympy.Integer, int)):
-        return
-    name = type(expr).__name__
-    if name == "Mul":
-        for arg in expr.args:
-            if isinstance(arg, sympy.Integer) and arg < 0:
-                raise UnboundedSize(f"size expression {expr} shrinks as its symbols grow")
-            check_bounded(arg)
-        return
-    if name in ("Add", "Max", "Min"):
-        for arg in expr.args:
-            check_bounded(arg)
-        return
-    if name in ("FloorDiv", "CleanDiv"):
-        numerator, divisor = expr.args
-        if not (isinstance(divisor, sympy.Integer) and divisor > 0):
-            raise UnboundedSize(f"size expression {expr} divides by a size")
-        check_bounded(numerator)
-        return
-    raise UnboundedSize(f"size expression {expr} is not monotone in its symbols ({name})")
-
-
-def symbolic_dims(val: torch.Tensor, runtime: frozenset[sympy.Symbol]) -> list[tuple[int, sympy.Expr]]:
-    """(dimension, size expression) for each dimension of ``val`` that depends on a runtime symbol."""
-    dims = []
-    for dim, size in enumerate(val.shape):
-        if isinstance(size, torch.SymInt):
-            expr = sympy.sympify(size.node.expr)
-            if expr.free_symbols & runtime:
-                dims.append((dim, expr))
-    return dims
-
+__all__ = ["SIZE_DTYPE", "SizeValues", "UnboundedSize", "check_bounded", "evaluate", "mark_dynamic",
+           "split_dimension", "static_result", "symbolic_dims", "zero_padding"]
 
 class SizeValues:
     """The program's values of size expressions, from its ``i32`` size arguments (each expression emitted once

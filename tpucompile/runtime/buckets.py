@@ -17,10 +17,18 @@ from typing import Any
 import sympy
 import torch
 
-from tpucompile.lowering import ShapeBindings
-from tpucompile.lowering.dynamic_sizes import SIZE_DTYPE, evaluate, symbolic_dims
-from tpucompile.runtime import stats
+from tpucompile import compile_stats as stats
+from tpucompile.errors import UnsupportedOpError
 from tpucompile.runtime.input_views import input_views, replace_views
+from tpucompile.runtime.size_expressions import (
+    SIZE_DTYPE,
+    evaluate,
+    read_symbols,
+    runtime_symbols,
+    shape_at,
+    symbol_sources,
+    symbolic_dims,
+)
 from tpucompile.runtime.specialize import call_signature
 
 log = logging.getLogger("tpucompile")
@@ -39,33 +47,6 @@ def bucket_size(value: int, sizes: Sequence[int], minimum: int) -> int:
     return bucket
 
 
-def runtime_symbols(metas: Sequence[Any]) -> frozenset[sympy.Symbol]:
-    """Every size symbol of a graph's inputs (tensor sizes and SymInt arguments)."""
-    found: set[sympy.Symbol] = set()
-    for meta in metas:
-        sizes = meta.shape if isinstance(meta, torch.Tensor) else [meta]
-        for size in sizes:
-            if isinstance(size, torch.SymInt):
-                found |= sympy.sympify(size.node.expr).free_symbols
-    return frozenset(found)
-
-
-def symbol_sources(
-    metas: Sequence[Any], symbols: frozenset[sympy.Symbol]
-) -> dict[sympy.Symbol, tuple[int, int | None]]:
-    """Where each symbol's value is read on a call: (argument position, dimension), or (position, None) for a
-    SymInt argument. Symbols with no argument of their own are left out."""
-    sources: dict[sympy.Symbol, tuple[int, int | None]] = {}
-    for position, meta in enumerate(metas):
-        if isinstance(meta, torch.SymInt) and meta.node.expr in symbols:
-            sources.setdefault(meta.node.expr, (position, None))
-        elif isinstance(meta, torch.Tensor):
-            for dim, size in enumerate(meta.shape):
-                if isinstance(size, torch.SymInt) and size.node.expr in symbols:
-                    sources.setdefault(size.node.expr, (position, dim))
-    return sources
-
-
 class BucketedGraph:
     """A boxed callable that pads each call to its bucket and runs the executable built for that bucket."""
 
@@ -73,12 +54,11 @@ class BucketedGraph:
         self,
         name: str,
         gm: torch.fx.GraphModule,
-        build: Callable[[ShapeBindings], Callable[[list[Any]], list[Any]]],
+        build: Callable[[dict[sympy.Symbol, int], frozenset[sympy.Symbol]], Callable[[list[Any]], list[Any]]],
         constants: Sequence[torch.Tensor],
         bucket_sizes: Sequence[int],
         bucket_minimum: int,
         max_entries: int,
-        unmerged_products: bool = True,
     ) -> None:
         self._boxed_call = True  # AOTAutograd passes the arguments as one list
         self.name = name
@@ -86,14 +66,12 @@ class BucketedGraph:
         self._constants = list(constants)
         self._sizes = tuple(bucket_sizes)
         self._minimum = bucket_minimum
-        self._unmerged_products = unmerged_products
         self._max_entries = max(1, max_entries)
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         self._metas = [n.meta.get("val") for n in placeholders]
         self.symbols = sorted(runtime_symbols(self._metas), key=str)
         runtime = frozenset(self.symbols)
-        sources = symbol_sources(self._metas, runtime)
-        self._sources = [sources[s] for s in self.symbols]
+        self._sources = symbol_sources(self._metas, runtime)
         self._padded = [(position, symbolic_dims(meta, runtime)) for position, meta in enumerate(self._metas)
                         if isinstance(meta, torch.Tensor) and symbolic_dims(meta, runtime)]
         self._outputs = [self._output_rule(out, placeholders, runtime) for out in _graph_outputs(gm)]
@@ -126,12 +104,10 @@ class BucketedGraph:
 
     def __call__(self, args: list[Any]) -> list[Any]:
         full = [*args, *self._constants]
-        values = {}
-        for symbol, (position, dim) in zip(self.symbols, self._sources, strict=True):
-            values[symbol] = int(full[position] if dim is None else full[position].shape[dim])
+        values = read_symbols(self._sources, full)
         signature = call_signature(full)
         if signature not in self._checked:
-            ShapeBindings(values).check(self._metas, full)
+            self._check(full, values)
             self._checked.add(signature)
         bucket = self.bucket_of(values)
         entry = self._entries.get(bucket)
@@ -151,6 +127,13 @@ class BucketedGraph:
         outputs = [self._output(result, rule, full, values)
                    for result, rule in zip(results, self._outputs, strict=True)]
         return replace_views(outputs, self._views, full, values) if self._views else outputs
+
+    def _check(self, args: list[Any], values: dict[sympy.Symbol, int]) -> None:
+        """Refuse a call whose sizes disagree with the graph's symbolic sizes (``2*s0`` against 5)."""
+        for meta, actual in zip(self._metas, args, strict=True):
+            if isinstance(meta, torch.Tensor) and shape_at(meta, values) != tuple(actual.shape):
+                raise UnsupportedOpError(f"input of shape {tuple(actual.shape)} does not satisfy the symbolic "
+                                         f"shape {tuple(meta.shape)} (evaluates to {shape_at(meta, values)})")
 
     def _output(self, result: Any, rule: tuple[str, Any], args: list[Any], values: dict) -> Any:
         kind, detail = rule
@@ -174,9 +157,8 @@ class BucketedGraph:
             stats.record_recompile(self.name, f"new bucket: {described}")
             log.info("compiling %s for a new bucket: %s (%d buckets compiled)", self.name, described,
                      len(self._entries) + 1)
-        bindings = ShapeBindings(bounds, runtime=frozenset(self.symbols), unmerged_products=self._unmerged_products)
-        shapes = {position: bindings.spec(self._metas[position]).shape for position, _ in self._padded}
-        entry = (self._build(bindings), shapes)
+        shapes = {position: shape_at(self._metas[position], bounds) for position, _ in self._padded}
+        entry = (self._build(bounds, frozenset(self.symbols)), shapes)
         self._entries[bucket] = entry
         if len(self._entries) > self._max_entries:
             dropped, _ = self._entries.popitem(last=False)

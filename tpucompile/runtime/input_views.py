@@ -18,7 +18,7 @@ from typing import Any
 import sympy
 import torch
 
-from tpucompile.lowering.dynamic_sizes import UnboundedSize, evaluate
+from tpucompile.runtime.size_expressions import UnboundedSize, evaluate
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from tpucompile.lowering import ShapeBindings
-from tpucompile.runtime import stats
+from tpucompile import compile_stats as stats
 from tpucompile.runtime.input_views import InputView, replace_views
+from tpucompile.runtime.size_expressions import read_symbols, runtime_symbols, symbol_sources
 
 log = logging.getLogger("tpucompile")
 
@@ -63,7 +63,7 @@ class ShapeSpecializer:
         self._max_entries = max(1, max_entries)
         self._views = list(views)
         """Outputs that are views of inputs, remade from the actual inputs (``input_views``)."""
-        self._metas = list(metas)
+        self._sources = symbol_sources(metas, runtime_symbols(metas)) if views else {}
         self._entries: collections.OrderedDict[Signature, Callable] = collections.OrderedDict()
         self._last: Signature | None = None
         self.recompiles: list[str] = []
@@ -80,8 +80,7 @@ class ShapeSpecializer:
         if not self._views:
             return runner(args)
         outputs = list(runner(args))
-        bound = ShapeBindings.from_inputs(self._metas, args)
-        return replace_views(outputs, self._views, args, {s: int(v) for s, v in bound.values.items()})
+        return replace_views(outputs, self._views, args, read_symbols(self._sources, args))
 
     def _specialize(self, signature: Signature, args: list[Any]) -> Callable:
         if self._last is not None:
