@@ -223,3 +223,14 @@ def test_opinfo_samples_with_a_dynamic_dimension_match_eager():
     assert not wrong, wrong
     outcomes = {r.outcome for r in results}
     assert {"bucketed", "per-size"} <= outcomes, outcomes  # both paths were exercised
+
+
+def test_compile_only_runs_say_they_compile_per_size():
+    pytest.importorskip("libtpu")
+    compiled = torch.compile(lambda x: x.softmax(0), backend="tpucompile",
+                             options={**BUCKETED, "targets": ["tpu:v5e:1x1"], "compile_only": True,
+                                      "cache_mode": "off"})
+    with pytest.warns(TpuCompileWarning, match="once per size, not per bucket: compile-only runs"):
+        x = torch.randn(5, 4)
+        torch._dynamo.mark_dynamic(x, 0)
+        assert compiled(x).shape == (5, 4)

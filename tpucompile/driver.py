@@ -321,17 +321,22 @@ def _compile_region(
 def _bucketable(gm: torch.fx.GraphModule, metas: list[Any], target: Any, options: Options, name: str) -> bool:
     """Whether ``gm`` compiles per bucket of sizes: asked for, on one device of this process, and exact under
     padding (else one warning naming the op that is not, and per-size executables)."""
-    if options.dynamic_mode != "bucket" or options.compile_only or options.mesh is not None:
+    if options.dynamic_mode != "bucket":
         return False
-    if len(target.devices) != 1 or not BucketedGraph.readable(metas):
-        return False
-    found = padding_safety.first_inexact(gm, runtime_symbols(metas))
-    if found is not None:
-        _, why = found
+    why = None
+    if options.compile_only:
+        why = "compile-only runs compile per size"
+    elif options.mesh is not None or len(target.devices) != 1:
+        why = "programs over a device mesh compile per size"
+    elif not BucketedGraph.readable(metas):
+        why = "a size symbol is not the size of any input, so a call cannot say it"
+    else:
+        found = padding_safety.first_inexact(gm, runtime_symbols(metas))
+        why = found[1] if found is not None else None
+    if why is not None:
         warnings.warn(f"tpucompile compiles {name} once per size, not per bucket: {why}", TpuCompileWarning,
                       stacklevel=2)
-        return False
-    return True
+    return why is None
 
 
 def _output_devices(gm: torch.fx.GraphModule) -> list[torch.device | None]:
