@@ -91,8 +91,8 @@ class _GraphLowering:
     def __init__(self, gm: torch.fx.GraphModule, bindings: ShapeBindings, donate: frozenset[str]) -> None:
         self.gm = gm
         self.donate = donate
-        self.bindings = ShapeBindings(dict(bindings.values), bindings.runtime, bindings.unmerged_products)  #
-        # data-dependent sizes get bound to their bounds
+        self.bindings = ShapeBindings(  # a copy: data-dependent sizes get bound to their bounds below
+            dict(bindings.values), bindings.runtime, bindings.unmerged_products)
         self.runtime = bindings.runtime
         self.sizes: dynamic_sizes.SizeValues | None = None
         """The values of runtime size expressions, in a bucketed program."""

@@ -82,11 +82,11 @@ def lower(node: torch.fx.Node, env: dict, runtime: frozenset[sympy.Symbol], out_
         return dataclasses.replace(first, transposed=not first.transposed)
     if node.target in _VIEWS and isinstance(first, Unmerged) and not first.transposed:
         target = _exprs(node.meta["val"].shape)
-        if target[:len(first.lead_sizes)] == first.lead_sizes:
-            shape = builder.shape_of(first.value)
-            trailing = tuple(int(s) for s in node.meta["val"].shape[len(first.lead):])  # static: only
-            return builder.reshape(first.value, (*shape[:len(first.lead)], *trailing))  # leading ones vary
-        return None
+        trailing = node.meta["val"].shape[len(first.lead):]
+        if target[:len(first.lead_sizes)] != first.lead_sizes or any(isinstance(s, torch.SymInt) for s in trailing):
+            return None
+        shape = builder.shape_of(first.value)
+        return builder.reshape(first.value, (*shape[:len(first.lead)], *(int(s) for s in trailing)))
     if node.target is aten.mm.default:
         return _product(operands[0], operands[1], out_dtype)
     if node.target is aten.addmm.default and not node.kwargs:
@@ -96,7 +96,8 @@ def lower(node: torch.fx.Node, env: dict, runtime: frozenset[sympy.Symbol], out_
 
 def _product(lhs: Any, rhs: Any, out_dtype: torch.dtype | None, bias: Any = None) -> Any:
     """``lhs @ rhs (+ bias)`` where either is unmerged; None for a pairing not handled."""
-    if isinstance(lhs, Unmerged) and not lhs.transposed and isinstance(rhs, ir.Value):
+    if isinstance(lhs, Unmerged) and not lhs.transposed and isinstance(rhs, ir.Value) and not isinstance(
+            bias, Unmerged):
         rank = len(lhs.lead) + 1
         result = _dot(lhs.value, rhs, ((rank - 1,), (0,)), out_dtype)
         if bias is not None:

@@ -145,7 +145,7 @@ class BucketedGraph:
             actual = list(result.shape)
             for dim, expr in detail:
                 actual[dim] = evaluate(expr, values)
-            if actual != list(result.shape):  # a copy, never a view: AutoGrad replays an output that aliases
+            if actual != list(result.shape):  # a copy, never a view: AOTAutograd replays an output that aliases
                 return result[tuple(slice(0, n) for n in actual)].clone()  # an input from the output's base
         return result
 
