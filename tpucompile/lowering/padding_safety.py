@@ -28,7 +28,7 @@ _EXACT: set[Any] = {
     # views and copies keep the padding at the end of every dimension
     aten.expand, aten.permute, aten.transpose, aten.t,
     aten.unsqueeze, aten.squeeze, aten.clone, aten._to_copy, aten.alias, aten.detach, aten.lift_fresh_copy,
-    aten.contiguous,
+    aten.contiguous, torch.ops.prims.squeeze,
     # reductions and products: the padder gives the padding the reduction's identity
     aten.sum, aten.amax, aten.amin, aten.max, aten.min, aten.argmax, aten.argmin, aten.any, aten.all,
     aten.prod, aten.logsumexp, aten.mm, aten.bmm, aten.addmm, aten.baddbmm, aten.dot,
@@ -39,7 +39,6 @@ _EXACT: set[Any] = {
     aten.empty_like, aten.scalar_tensor, aten.triu, aten.tril,
     # row lookups: each index picks its row whatever the padding holds
     aten.embedding,
-    torch.ops.prims.squeeze,
 }
 """Ops exact under padding whatever their runtime-sized operands (beside pointwise ops, which are tagged)."""
 
