@@ -133,13 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore")
     logging.getLogger("torch").setLevel(logging.ERROR)
     os.environ.setdefault("TPUCOMPILE_CACHE_MODE", "off")
-    opinfos = sweep.load_op_db()
-    if args.ops:
-        opinfos = [o for o in opinfos if o.name in args.ops or sweep.op_id(o) in args.ops]
-    if args.shard:
-        index, count = (int(part) for part in args.shard.split("/"))
-        opinfos = opinfos[index::count]
-    results = run(opinfos, args.dims, torch.float32, args.max_samples)
+    results = run(sweep.select_opinfos(args.ops, args.shard), args.dims, torch.float32, args.max_samples)
     counts = collections.Counter(r.outcome for r in results)
     print(", ".join(f"{o} {counts[o]}" for o in OUTCOMES))
     for r in results:

@@ -228,6 +228,18 @@ def _sample_in_float32(sample: Any) -> Any:
     )
 
 
+def select_opinfos(names: list[str] | None, shard: str | None) -> list[Any]:
+    """The OpInfos named (name or name.variant; all when None), then only shard K of N ("K/N")."""
+    opinfos = load_op_db()
+    if names:
+        wanted = set(names)
+        opinfos = [o for o in opinfos if o.name in wanted or op_id(o) in wanted]
+    if shard:
+        index, count = (int(part) for part in shard.split("/"))
+        opinfos = opinfos[index::count]
+    return opinfos
+
+
 def iter_samples(opinfo: Any, dtype: torch.dtype, max_samples: int | None) -> Iterator[tuple[int, Any]]:
     try:
         samples = opinfo.sample_inputs("cpu", dtype, requires_grad=False)
@@ -376,13 +388,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.jobs > 1:
         results = _run_in_processes(_without(argv, ("--jobs", "--json", "--markdown")), args.jobs)
     else:
-        opinfos = load_op_db()
-        if args.ops:
-            wanted = set(args.ops)
-            opinfos = [o for o in opinfos if o.name in wanted or op_id(o) in wanted]
-        if args.shard:
-            index, count = (int(part) for part in args.shard.split("/"))
-            opinfos = opinfos[index::count]
+        opinfos = select_opinfos(args.ops, args.shard)
         results = sweep(opinfos, [DTYPES[d] for d in args.dtypes], args.max_samples, args.progress)
     summary = summarize(results)
     if not args.quiet:

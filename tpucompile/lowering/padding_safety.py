@@ -17,6 +17,7 @@ from typing import Any
 import sympy
 import torch
 import torch.fx
+import torch.utils._pytree as pytree
 
 from tpucompile import diagnostics
 from tpucompile.lowering import dynamic_sizes
@@ -195,37 +196,20 @@ _CONDITIONAL: dict[Any, Callable[[torch.fx.Node, frozenset[sympy.Symbol]], str |
 }
 
 
+def _argument_values(node: torch.fx.Node) -> Iterator[Any]:
+    """Every value ``node`` takes, nested lists included: a node's traced value, or the literal."""
+    for leaf in pytree.tree_leaves((node.args, node.kwargs)):
+        yield leaf.meta.get("val") if isinstance(leaf, torch.fx.Node) else leaf
+
+
 def _tensor_operands(node: torch.fx.Node) -> Iterator[torch.Tensor]:
-    stack = [node.args, node.kwargs]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, torch.fx.Node):
-            val = item.meta.get("val")
-            if isinstance(val, torch.Tensor):
-                yield val
-        elif isinstance(item, (list, tuple)):
-            stack.extend(item)
-        elif isinstance(item, dict):
-            stack.extend(item.values())
+    return (value for value in _argument_values(node) if isinstance(value, torch.Tensor))
 
 
 def _runtime_scalars(node: torch.fx.Node, runtime: frozenset[sympy.Symbol]) -> bool:
     """Whether a size that depends on a runtime symbol reaches ``node`` as a number."""
-    stack = [node.args, node.kwargs]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, torch.fx.Node):
-            val = item.meta.get("val")
-            if isinstance(val, torch.SymInt | torch.SymFloat) and sympy.sympify(val.node.expr).free_symbols & runtime:
-                return True
-        elif isinstance(item, (torch.SymInt, torch.SymFloat)):
-            if sympy.sympify(item.node.expr).free_symbols & runtime:
-                return True
-        elif isinstance(item, (list, tuple)):
-            stack.extend(item)
-        elif isinstance(item, dict):
-            stack.extend(item.values())
-    return False
+    return any(isinstance(value, (torch.SymInt, torch.SymFloat))
+               and sympy.sympify(value.node.expr).free_symbols & runtime for value in _argument_values(node))
 
 
 _SIZE_TAKERS = {aten.view, aten._unsafe_view, aten.reshape, aten.expand, aten.arange, aten.full, aten.zeros,
