@@ -20,8 +20,6 @@ import argparse
 import collections
 import dataclasses
 import json
-import logging
-import os
 import sys
 import warnings
 import zlib
@@ -130,9 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shard", help="K/N: only the OpInfos whose index is K modulo N")
     parser.add_argument("--json", help="write every sample's outcome here")
     args = parser.parse_args(argv)
-    warnings.filterwarnings("ignore")
-    logging.getLogger("torch").setLevel(logging.ERROR)
-    os.environ.setdefault("TPUCOMPILE_CACHE_MODE", "off")
+    sweep.quiet_sweep_process()
     results = run(sweep.select_opinfos(args.ops, args.shard), args.dims, torch.float32, args.max_samples)
     counts = collections.Counter(r.outcome for r in results)
     print(", ".join(f"{o} {counts[o]}" for o in OUTCOMES))

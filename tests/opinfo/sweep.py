@@ -228,6 +228,14 @@ def _sample_in_float32(sample: Any) -> Any:
     )
 
 
+def quiet_sweep_process() -> None:
+    """What a sweep process sets for itself: no warnings or torch logs per sample, and its thousands of one-op
+    graphs kept out of the user's persistent compile cache."""
+    warnings.filterwarnings("ignore")
+    logging.getLogger("torch").setLevel(logging.ERROR)
+    os.environ.setdefault("TPUCOMPILE_CACHE_MODE", "off")
+
+
 def select_opinfos(names: list[str] | None, shard: str | None) -> list[Any]:
     """The OpInfos named (name or name.variant; all when None), then only shard K of N ("K/N")."""
     opinfos = load_op_db()
@@ -379,10 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--progress", action="store_true")
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args(argv)
-    warnings.filterwarnings("ignore")
-    logging.getLogger("torch").setLevel(logging.ERROR)
-    # Thousands of one-op graphs: keep them out of the user's persistent compile cache.
-    os.environ.setdefault("TPUCOMPILE_CACHE_MODE", "off")
+    quiet_sweep_process()
     if args.merge:
         results = [r for path in args.merge for r in _read_json(path)]
     elif args.jobs > 1:

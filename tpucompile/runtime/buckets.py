@@ -29,7 +29,7 @@ from tpucompile.runtime.size_expressions import (
     symbol_sources,
     symbolic_dims,
 )
-from tpucompile.runtime.specialize import call_signature
+from tpucompile.runtime.specialize import call_signature, keep_bounded
 
 log = logging.getLogger("tpucompile")
 
@@ -159,11 +159,7 @@ class BucketedGraph:
                      len(self._entries) + 1)
         shapes = {position: shape_at(self._metas[position], bounds) for position, _ in self._padded}
         entry = (self._build(bounds, frozenset(self.symbols)), shapes)
-        self._entries[bucket] = entry
-        if len(self._entries) > self._max_entries:
-            dropped, _ = self._entries.popitem(last=False)
-            log.info("%s dropped the executable for bucket %s (max_shape_specializations=%d)",
-                     self.name, dropped, self._max_entries)
+        keep_bounded(self._entries, bucket, entry, self._max_entries, f"{self.name} dropped the executable for bucket")
         return entry
 
 

@@ -43,6 +43,15 @@ def recompile_reason(previous: Signature, current: Signature, names: Sequence[st
     return "; ".join(changes) or "no size changed"
 
 
+def keep_bounded(entries: collections.OrderedDict, key: Any, value: Any, max_entries: int, dropped: str) -> None:
+    """Add ``value`` under ``key`` as the most recent entry, dropping (and logging, ``dropped`` then the key)
+    the least recently used past ``max_entries``."""
+    entries[key] = value
+    if len(entries) > max_entries:
+        old, _ = entries.popitem(last=False)
+        log.info("%s %s (max_shape_specializations=%d)", dropped, old, max_entries)
+
+
 class ShapeSpecializer:
     """A boxed callable that dispatches each call to the executable built for its sizes."""
 
@@ -90,9 +99,6 @@ class ShapeSpecializer:
             log.info("recompiling %s for new sizes: %s (%d shapes compiled)",
                      self.name, reason, len(self._entries) + 1)
         runner = self._build(args)
-        self._entries[signature] = runner
-        if len(self._entries) > self._max_entries:
-            dropped, _ = self._entries.popitem(last=False)
-            log.info("%s dropped the executable for sizes %s (max_shape_specializations=%d)",
-                     self.name, dropped, self._max_entries)
+        keep_bounded(self._entries, signature, runner, self._max_entries, f"{self.name} dropped the executable "
+                     "for sizes")
         return runner
