@@ -90,15 +90,70 @@ def test_listed_buckets_and_sizes_past_them(caplog, seeded):
     assert buckets == ["32", "40", "41"]  # 3 and 8 in 8 (the first compile), 9 and 32 in 32; past 32: per size
 
 
+_ACTUAL_EXTENT_OPS = {
+    # divide by the actual count, forward and backward (a runtime size as a number)
+    "mean": lambda x: x.mean(dim=1),
+    "var": lambda x: x.var(dim=1),
+    "std-all": lambda x: x.std(dim=(0, 1), correction=0),
+    "var_mean": lambda x: torch.var_mean(x, dim=1)[0] * torch.var_mean(x, dim=1)[1],
+    # prefix scans (their backward flips along the padded dimension)
+    "cumsum": lambda x: x.cumsum(dim=1) ** 2,
+    "cumprod": lambda x: x.detach().cumprod(dim=1),  # its backward specialises the size in torch
+    "logcumsumexp": lambda x: x.logcumsumexp(dim=1),
+    "flip": lambda x: x.flip(1) * x,
+    # padding sorted last; ties keep their order (the backward scatters along the padded dimension)
+    "sort": lambda x: x.round().sort(dim=1, stable=True).values * x,
+    "sort-descending": lambda x: x.round().sort(dim=1, descending=True, stable=True).values * x,
+    "argsort": lambda x: x.argsort(dim=1, stable=True)[:, :3] * 1.0,
+    "topk": lambda x: x.topk(3, dim=1).values,
+    "topk-smallest": lambda x: x.topk(5, dim=1, largest=False).values,
+    "argmax-ties": lambda x: x.round().argmax(dim=1) * 1.0,
+    # placed and counted from the actual end (a cache growing by a token, a pad, the last position)
+    "cat": lambda x: torch.cat([x, x.exp()], dim=1),
+    "cat-token": lambda x: torch.cat([x, x[:, :1] * 3], dim=1),
+    "pad": lambda x: torch.nn.functional.pad(x, (2, 3), value=-7.0),
+    "crop": lambda x: torch.nn.functional.pad(x, (-1, -1)),
+    "last": lambda x: x[:, -1] * 2,
+    "last-two": lambda x: x[:, -2:] * 2,
+    "positions-after": lambda x: x * torch.arange(x.shape[1], 2 * x.shape[1]),
+    "length-as-value": lambda x: x * torch.full((1,), x.shape[1]),
+    "window": lambda x: x[:, :2] * 2,
+    "gather": lambda x: x.gather(1, x.argsort(1)[:, :2]),
+}
+
+
+@pytest.mark.parametrize("name", list(_ACTUAL_EXTENT_OPS))
+def test_ops_that_read_the_actual_extent_stay_on_buckets(name, caplog, seeded):
+    """Ops whose results depend on the extent of the padded dimension: their lowerings count and place by
+    the actual extent (or XLA's dynamic padder does), so they stay on buckets, forward and backward, with
+    eager's results at sizes inside a bucket and across two."""
+    op = _ACTUAL_EXTENT_OPS[name]
+    caplog.set_level(logging.INFO, logger="tpucompile")
+    compiled = torch.compile(op, backend="tpucompile", options=BUCKETED)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", TpuCompileWarning)
+        for n in (5, 7, 12, 18):
+            x = torch.randn(3, n, requires_grad=True)
+            torch._dynamo.mark_dynamic(x, 1)
+            got = compiled(x)
+            expected = op(x)
+            assert_close_tree(got, expected)
+            if got.requires_grad:
+                weights = torch.randn_like(expected)
+                (grad,) = torch.autograd.grad((got * weights).sum(), x)
+                (expected_grad,) = torch.autograd.grad((expected * weights).sum(), x)
+                assert_close_tree(grad, expected_grad)
+    assert not _per_size_compiles(caplog)
+    assert {m.split("-> bucket ")[1].split()[0] for m in _bucket_compiles(caplog)} == {"32"}  # 18; 5..12 in 16
+
+
 @pytest.mark.parametrize("op, why", [
-    (lambda x: x.mean(dim=1), "aten.mean"),
-    (lambda x: x.cumsum(dim=1), "aten.cumsum"),
-    (lambda x: x.sort(dim=1).values, "aten.sort"),
-    (lambda x: x[:, -1], "aten.select"),
-    (lambda x: torch.cat([x, x], dim=1), "aten.cat"),
-    (lambda x: x.flip(1), "aten.flip"),
+    (lambda x: x.median(dim=1).values, "aten.median"),
+    (lambda x: x.kthvalue(2, dim=1).values, "aten.kthvalue"),
+    (lambda x: torch.nn.functional.layer_norm(x, (x.shape[1],)), "aten.native_layer_norm"),
+    (lambda x: x[:, [0, -1]], "aten.index"),
     (lambda x: torch.outer(x[0], x[1]).reshape(-1), "aten.view"),
-], ids=["mean", "cumsum", "sort", "select-from-end", "cat", "flip", "two-padded-dims-merged"])
+], ids=["median", "kthvalue", "layer-norm-over-padded-dim", "negative-index-tensor", "two-padded-dims-merged"])
 def test_ops_that_read_the_padded_extent_compile_per_size(op, why, caplog, seeded):
     caplog.set_level(logging.INFO, logger="tpucompile")
     compiled = torch.compile(op, backend="tpucompile", options=BUCKETED)

@@ -17,19 +17,21 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import sympy
+import torch
 from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import stablehlo as hlo
 
-from tpucompile.lowering.builder import constant
+from tpucompile.lowering.builder import constant, dtype_of, shape_of
 from tpucompile.lowering.types import TensorSpec, tensor_type
 from tpucompile.runtime.size_expressions import SIZE_DTYPE, UnboundedSize, check_bounded, evaluate, symbolic_dims
 
-__all__ = ["SIZE_DTYPE", "SizeValues", "UnboundedSize", "check_bounded", "evaluate", "mark_dynamic",
-           "split_dimension", "static_result", "symbolic_dims", "zero_padding"]
+__all__ = ["SIZE_DTYPE", "SizeValues", "UnboundedSize", "check_bounded", "computable", "evaluate", "fixed_shape",
+           "mark_dynamic", "split_dimension", "static_result", "symbolic_dims", "zero_padding"]
 
 class SizeValues:
     """The program's values of size expressions, from its ``i32`` size arguments (each expression emitted once
-    per program)."""
+    per program): ``i32`` for integer expressions, ``f32`` for those with floats in them (a mean's backward
+    scales by ``1 / (n - 1)``)."""
 
     def __init__(self, arguments: Mapping[sympy.Symbol, ir.Value]) -> None:
         self._known: dict[sympy.Expr, ir.Value] = dict(arguments)
@@ -39,20 +41,59 @@ class SizeValues:
         found = self._known.get(expr)
         if found is not None:
             return found
-        if isinstance(expr, sympy.Integer):
-            value = constant(int(expr), SIZE_DTYPE)
-        else:
-            name = type(expr).__name__
-            args = [self.of(arg) for arg in expr.args]
-            combine = {"Add": hlo.add, "Mul": hlo.multiply, "FloorDiv": hlo.divide, "CleanDiv": hlo.divide,
-                       "Max": hlo.maximum, "Min": hlo.minimum}.get(name)
-            if combine is None:
-                raise UnboundedSize(f"size expression {expr} has an operation tpucompile cannot compute ({name})")
-            value = args[0]
-            for arg in args[1:]:
-                value = combine(value, arg)  # sizes are non-negative: truncating division is floor division
+        value = self._compute(expr)
         self._known[expr] = value
         return value
+
+    def _compute(self, expr: sympy.Expr) -> ir.Value:
+        if isinstance(expr, sympy.Integer):
+            return constant(int(expr), SIZE_DTYPE)
+        if isinstance(expr, (sympy.Float, sympy.Rational)):
+            return constant(float(expr), torch.float32)
+        name = type(expr).__name__
+        if name == "ToFloat":
+            return _as_float(self.of(expr.args[0]))
+        if name in ("FloatTrueDiv", "IntTrueDiv"):
+            return hlo.divide(_as_float(self.of(expr.args[0])), _as_float(self.of(expr.args[1])))
+        if isinstance(expr, sympy.Pow) and isinstance(expr.exp, sympy.Integer):
+            base = self.of(expr.base)
+            power = base
+            for _ in range(abs(int(expr.exp)) - 1):
+                power = hlo.multiply(power, base)
+            return hlo.divide(constant(1.0, torch.float32), _as_float(power)) if expr.exp < 0 else power
+        combine = {"Add": hlo.add, "Mul": hlo.multiply, "FloorDiv": hlo.divide, "CleanDiv": hlo.divide,
+                   "Max": hlo.maximum, "Min": hlo.minimum}.get(name)
+        if combine is None:
+            raise UnboundedSize(f"size expression {expr} has an operation tpucompile cannot compute ({name})")
+        args = [self.of(arg) for arg in expr.args]
+        if any(_is_float(arg) for arg in args):
+            args = [_as_float(arg) for arg in args]
+        value = args[0]
+        for arg in args[1:]:
+            value = combine(value, arg)  # sizes are non-negative: truncating division is floor division
+        return value
+
+
+_OPERATIONS = frozenset({"Add", "Mul", "FloorDiv", "CleanDiv", "Max", "Min", "ToFloat", "FloatTrueDiv",
+                         "IntTrueDiv"})
+
+
+def computable(expr: sympy.Expr) -> bool:
+    """Whether ``SizeValues.of`` can compute ``expr`` in the program."""
+    expr = sympy.sympify(expr)
+    if isinstance(expr, (sympy.Symbol, sympy.Number)):
+        return True
+    if isinstance(expr, sympy.Pow):
+        return isinstance(expr.exp, sympy.Integer) and computable(expr.base)
+    return type(expr).__name__ in _OPERATIONS and all(computable(arg) for arg in expr.args)
+
+
+def _is_float(value: ir.Value) -> bool:
+    return dtype_of(value).is_floating_point
+
+
+def _as_float(value: ir.Value) -> ir.Value:
+    return value if _is_float(value) else hlo.convert(tensor_type((), torch.float32), value)
 
 
 def mark_dynamic(value: ir.Value, spec: TensorSpec, dims: list[tuple[int, sympy.Expr]], sizes: SizeValues) -> ir.Value:
@@ -76,16 +117,23 @@ def mark_dynamic(value: ir.Value, spec: TensorSpec, dims: list[tuple[int, sympy.
 
 def static_result(value: ir.Value, spec: TensorSpec, dims: list[tuple[int, sympy.Expr]]) -> ir.Value:
     """``value`` as a program result of fixed shape: XLA returns a buffer of dynamic shape for a result it
-    knows to be runtime-sized, which DLPack cannot carry. Gathering every position of each such dimension
-    (padding included) gives the same values with a shape XLA takes as fixed; results are cut to their actual
-    sizes after the call."""
-    rank = len(spec.shape)
-    for dim, _ in dims:
-        positions = hlo.iota(tensor_type((spec.shape[dim], 1), SIZE_DTYPE), 0)
+    knows to be runtime-sized, which DLPack cannot carry; results are cut to their actual sizes after the
+    call."""
+    return fixed_shape(value, [dim for dim, _ in dims])
+
+
+def fixed_shape(value: ir.Value, dims: list[int]) -> ir.Value:
+    """``value`` with the same elements (padding included) in a shape XLA takes as fixed along ``dims``:
+    gathering every position of a dimension ends XLA's knowledge of its runtime size, where slices, reshapes
+    and ``set_dimension_size`` to the bound all keep it."""
+    shape = shape_of(value)
+    rank = len(shape)
+    for dim in dims:
+        positions = hlo.iota(tensor_type((shape[dim], 1), SIZE_DTYPE), 0)
         numbers = hlo.GatherDimensionNumbers.get(
             offset_dims=[d for d in range(rank) if d != dim], collapsed_slice_dims=[dim],
             operand_batching_dims=[], start_indices_batching_dims=[], start_index_map=[dim], index_vector_dim=1)
-        sizes = [1 if d == dim else spec.shape[d] for d in range(rank)]
+        sizes = [1 if d == dim else shape[d] for d in range(rank)]
         value = hlo.gather(value, positions, numbers, ir.DenseI64ArrayAttr.get(sizes), indices_are_sorted=True)
     return value
 

@@ -13,6 +13,7 @@ own), since anything computed from the padded values inside the program would se
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import operator
 from typing import Any
@@ -333,6 +334,8 @@ class _GraphLowering:
             avals_out=self._output_specs(val),
             operand_metas=[_meta(a) for a in node.args],
             random=self.random,
+            extent=self._extent,
+            runtime_scalars=self._runtime_scalars(node),
         )
         with _location(node):
             try:
@@ -345,6 +348,8 @@ class _GraphLowering:
                 raise LoweringError(
                     f"lowering {diagnostics.describe_node(node)} failed: {type(error).__name__}: {error}"
                 ) from error
+        if self.sizes is not None and node.target in padding_safety.WINDOWS:
+            result = self._fixed_windows(node, result)
         if padded:
             *result, size = result
             if symbol is not None:
@@ -353,6 +358,47 @@ class _GraphLowering:
                 (result,) = result
         self._check_result(node, ctx, result)
         return result
+
+    def _fixed_windows(self, node: torch.fx.Node, result: Any) -> Any:
+        """A slice (or split piece) of fixed extent taken from a runtime-sized dimension, made a value of fixed
+        shape: XLA takes such a slice as runtime-sized (its actual extent, the smaller of the window and what
+        is left), which is harmless inside the program but cannot leave it."""
+        operand = node.args[0].meta["val"]
+        dim = (node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)) % max(operand.dim(), 1)
+        if not any(d == dim for d, _ in dynamic_sizes.symbolic_dims(operand, self.runtime)):
+            return result
+        vals = node.meta["val"] if isinstance(node.meta["val"], (list, tuple)) else [node.meta["val"]]
+        values = result if isinstance(result, (list, tuple)) else [result]
+        fixed = [dynamic_sizes.fixed_shape(value, [dim])
+                 if not any(d == dim for d, _ in dynamic_sizes.symbolic_dims(val, self.runtime))
+                 and val.shape[dim] > 1 else value
+                 for val, value in zip(vals, values, strict=True)]
+        return type(result)(fixed) if isinstance(result, (list, tuple)) else fixed[0]
+
+    def _extent(self, meta: Any, dim: int) -> ir.Value | None:
+        """The actual size of ``meta``'s dimension ``dim`` in a bucketed program, when it is runtime-sized."""
+        if self.sizes is None or not isinstance(meta, torch.Tensor):
+            return None
+        dim %= max(meta.dim(), 1)
+        for runtime_dim, expr in dynamic_sizes.symbolic_dims(meta, self.runtime):
+            if runtime_dim == dim:
+                return self.sizes.of(expr)
+        return None
+
+    def _runtime_scalars(self, node: torch.fx.Node) -> dict[int, ir.Value]:
+        """The values, computed when the program runs, of ``node``'s positional arguments that are numbers
+        depending on runtime sizes (``LoweringContext.runtime_scalars``); none outside a bucketed program."""
+        if self.sizes is None:
+            return {}
+        found = {}
+        for position, arg in enumerate(node.args):
+            val = arg.meta.get("val") if isinstance(arg, torch.fx.Node) else arg
+            if isinstance(val, (torch.SymInt, torch.SymFloat)):
+                expr = sympy.sympify(val.node.expr)
+                if expr.free_symbols & self.runtime:
+                    with contextlib.suppress(dynamic_sizes.UnboundedSize):  # a size only: the bucket's value
+                        found[position] = self.sizes.of(expr)
+        return found
 
     def _split_reshape(self, node: torch.fx.Node, dim: int, out_dims: list[int]) -> Any:
         """A view that splits runtime-sized dimension ``dim`` into ``out_dims`` with the runtime-sized one

@@ -4,8 +4,9 @@ XLA's dynamic padder makes reductions, matrix products, softmax and elementwise 
 a dimension's actual size (``dynamic_sizes``). What it cannot fix is a lowering rule that reads a padded
 extent as data: a mean that divides by the dimension's static size, a negative index counted from the padded
 end, a concatenation along the padded dimension (the padding would land in the middle), random numbers drawn
-for the padded shape. This module admits an op on a runtime-sized operand only when it is known to be exact
-under padding; any other op makes the whole graph compile per size instead (``first_inexact``).
+for the padded shape. Some rules read the actual extent instead (``LoweringContext.extent``) and are exact.
+This module admits an op on a runtime-sized operand only when it is known to be exact under padding; any
+other op makes the whole graph compile per size instead (``first_inexact``).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch.utils._pytree as pytree
 
 from tpucompile import diagnostics
 from tpucompile.lowering import dynamic_sizes
-from tpucompile.lowering.registry import is_random
+from tpucompile.lowering.registry import is_random, lookup_rule
 
 aten = torch.ops.aten
 
@@ -40,6 +41,17 @@ _EXACT: set[Any] = {
     aten.empty_like, aten.scalar_tensor, aten.triu, aten.tril,
     # row lookups: each index picks its row whatever the padding holds
     aten.embedding,
+    # their lowerings count and place by the actual sizes (the rules' ``ctx.extent``): a mean's divisor, a
+    # concatenation's offsets, sort keys that put the padding last
+    aten.mean, aten.var, aten.std, aten.var_mean, aten.cat, aten.sort, aten.topk,
+    # prefix scans: each position combines only the positions before it, and the padding comes after
+    aten.cumsum, aten.cumprod, aten.logcumsumexp,
+    # XLA's dynamic padder reverses the actual elements only
+    aten.flip,
+    # element-wise scatters: their lowerings send the padding's updates out of range, where XLA drops them
+    aten.scatter, aten.scatter_add, aten.scatter_reduce,
+    # reads at indices torch requires to be in range: only actual elements are read
+    aten.gather, aten.index_select,
 }
 """Ops exact under padding whatever their runtime-sized operands (beside pointwise ops, which are tagged)."""
 
@@ -53,15 +65,6 @@ def _normalised(dims: Any, rank: int) -> set[int]:
     return {d % rank if rank else 0 for d in dims}
 
 
-def _reduced_dims_static(node: torch.fx.Node, runtime: frozenset[sympy.Symbol]) -> str | None:
-    """mean, var, std: exact only when no reduced dimension is runtime-sized (they divide by its extent)."""
-    x = node.args[0].meta["val"]
-    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
-    if _normalised(dims, x.dim()) & _dynamic_dims(x, runtime):
-        return "it divides by the padded extent of a reduced dimension"
-    return None
-
-
 def _normalised_dims_static(node: torch.fx.Node, runtime: frozenset[sympy.Symbol]) -> str | None:
     """layer norm and its backward: exact when the normalised (trailing) dimensions are not runtime-sized."""
     x = node.args[1 if node.target is aten.native_layer_norm_backward.default else 0].meta["val"]
@@ -72,36 +75,74 @@ def _normalised_dims_static(node: torch.fx.Node, runtime: frozenset[sympy.Symbol
     return None
 
 
-def _static_start(node: torch.fx.Node, runtime: frozenset[sympy.Symbol]) -> str | None:
-    """slice, select, narrow: exact along a runtime-sized dimension only from a non-negative constant start."""
-    x = node.args[0].meta["val"]
-    dim = (node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)) % max(x.dim(), 1)
-    if dim not in _dynamic_dims(x, runtime):
-        return None
-    start = node.args[2] if len(node.args) > 2 else node.kwargs.get("start", 0)
-    step = node.args[4] if len(node.args) > 4 else node.kwargs.get("step", 1)
-    if node.target is aten.slice.Tensor and start is None:
-        start = 0
-    if not isinstance(start, int) or start < 0 or step not in (1, None):
-        return "it indexes a padded dimension from its end or by a size"
-    return None
-
-
-def _along_static(dim_position: int) -> Callable[[torch.fx.Node, frozenset[sympy.Symbol]], str | None]:
-    """cat, gather, index_select: exact when the dimension they work along is not runtime-sized."""
+def _constant_start(first: int) -> Callable[[torch.fx.Node, frozenset[sympy.Symbol]], str | None]:
+    """slice, select, narrow and their scatters (whose ``dim, start, ..., step`` begin at argument ``first``):
+    exact along a runtime-sized dimension from a constant start, with step 1. A start counted from the end
+    (negative) is counted from the actual end by the slice and select lowerings, when the result's own
+    extent along the dimension is fixed."""
 
     def check(node: torch.fx.Node, runtime: frozenset[sympy.Symbol]) -> str | None:
-        first = node.args[0]
-        tensor = (first[0] if isinstance(first, (list, tuple)) else first).meta["val"]
-        dim = node.args[dim_position] if len(node.args) > dim_position else node.kwargs.get("dim", 0)
-        dim %= max(tensor.dim(), 1)
-        tensors = first if isinstance(first, (list, tuple)) else [first]
-        if any(dim in _dynamic_dims(t.meta["val"], runtime) for t in tensors):
-            return "it works along a padded dimension"
+        x = node.args[0].meta["val"]
+        dim = (node.args[first] if len(node.args) > first else node.kwargs.get("dim", 0)) % max(x.dim(), 1)
+        if dim not in _dynamic_dims(x, runtime):
+            return None
+        start = node.args[first + 1] if len(node.args) > first + 1 else node.kwargs.get(
+            "index" if node.target in _SELECTS else "start", 0)
+        step = node.args[first + 3] if len(node.args) > first + 3 else node.kwargs.get("step", 1)
+        start = 0 if start is None else start
+        start = start.meta.get("val") if isinstance(start, torch.fx.Node) else start
+        if isinstance(start, torch.SymInt) and node.target is aten.slice.Tensor and step in (1, None):
+            return _runtime_start_reason(node, runtime, dim, start)
+        if not isinstance(start, int) or step not in (1, None):
+            return "it indexes a padded dimension by a size or with a step"
+        if start < 0:
+            if node.target not in _FROM_ACTUAL_END:
+                return "it indexes a padded dimension from its end"
+            window = node.args[1] if node.target is aten.slice_scatter.default else node
+            if node.target in _SLICES and dim in _dynamic_dims(window.meta["val"], runtime):
+                return "it takes a runtime-sized slice from the end of a padded dimension"
         return None
 
     return check
 
+
+def _runtime_start_reason(node: torch.fx.Node, runtime: frozenset[sympy.Symbol], dim: int,
+                          start: torch.SymInt) -> str | None:
+    """slice from a start computed from runtime sizes (the backward of a concatenation): its lowering takes
+    a window of the result's bucket size from the actual start, exact when the window's extent is fixed or
+    the slice runs to the operand's end (the window then ends within the operand's bucket)."""
+    result_dims = dict(dynamic_sizes.symbolic_dims(node.meta["val"], runtime))
+    if dim not in result_dims:
+        return None
+    operand = dict(dynamic_sizes.symbolic_dims(node.args[0].meta["val"], runtime))[dim]
+    if sympy.simplify(sympy.sympify(start.node.expr) + result_dims[dim] - operand) == 0:
+        return None
+    return "it takes a runtime-sized slice from a runtime start that may not run to the end"
+
+
+_SELECTS = frozenset({aten.select.int, aten.select_scatter.default})
+_SLICES = frozenset({aten.slice.Tensor, aten.slice_scatter.default})
+_FROM_ACTUAL_END = frozenset({aten.slice.Tensor, aten.select.int, aten.slice_scatter.default,
+                              aten.select_scatter.default})
+"""Lowerings that count a negative start from the actual end of a padded dimension."""
+
+
+def _constant_pads(node: torch.fx.Node, runtime: frozenset[sympy.Symbol]) -> str | None:
+    """constant_pad_nd: exact with constant pads (its lowering fills from the actual end of a runtime-sized
+    dimension; cropping keeps the actual elements first)."""
+    x = node.args[0].meta["val"]
+    dynamic = _dynamic_dims(x, runtime)
+    pads = list(node.args[1])
+    for i in range(len(pads) // 2):
+        if x.dim() - 1 - i in dynamic and not all(isinstance(p, int) for p in pads[2 * i: 2 * i + 2]):
+            return "it pads a padded dimension by a runtime size"
+    return None
+
+
+WINDOWS = frozenset({aten.slice.Tensor, aten.slice_copy.Tensor, aten.split.Tensor, aten.split_copy.Tensor,
+                     aten.split_with_sizes.default, aten.split_with_sizes_copy.default})
+"""Ops that cut windows out of a dimension (``dim`` their second argument): a window of fixed extent cut from a
+runtime-sized dimension is runtime-sized to XLA (``graph._fixed_windows``)."""
 
 RESHAPES = frozenset({aten.view.default, aten._unsafe_view.default, aten.reshape.default})
 
@@ -188,11 +229,10 @@ _CONDITIONAL: dict[Any, Callable[[torch.fx.Node, frozenset[sympy.Symbol]], str |
     aten.index: _static_source, aten.index_put: _accumulates_padding_away,
     aten.view: _reshape_keeps_padding, aten._unsafe_view: _reshape_keeps_padding,
     aten.reshape: _reshape_keeps_padding,
-    aten.mean: _reduced_dims_static, aten.var: _reduced_dims_static, aten.std: _reduced_dims_static,
-    aten.var_mean: _reduced_dims_static,
     aten.native_layer_norm: _normalised_dims_static, aten.native_layer_norm_backward: _normalised_dims_static,
-    aten.slice: _static_start, aten.select: _static_start, aten.narrow: _static_start,
-    aten.cat: _along_static(1), aten.gather: _along_static(1), aten.index_select: _along_static(1),
+    aten.slice: _constant_start(1), aten.select: _constant_start(1), aten.narrow: _constant_start(1),
+    aten.slice_scatter: _constant_start(2), aten.select_scatter: _constant_start(2),
+    aten.constant_pad_nd: _constant_pads,
 }
 
 
@@ -206,17 +246,56 @@ def _tensor_operands(node: torch.fx.Node) -> Iterator[torch.Tensor]:
     return (value for value in _argument_values(node) if isinstance(value, torch.Tensor))
 
 
-def _runtime_scalars(node: torch.fx.Node, runtime: frozenset[sympy.Symbol]) -> bool:
-    """Whether a size that depends on a runtime symbol reaches ``node`` as a number."""
-    return any(isinstance(value, (torch.SymInt, torch.SymFloat))
-               and sympy.sympify(value.node.expr).free_symbols & runtime for value in _argument_values(node))
+def _runtime_numbers(node: torch.fx.Node, runtime: frozenset[sympy.Symbol]) -> list[tuple[int | None, sympy.Expr]]:
+    """(positional argument, expression) of each number ``node`` takes that depends on a runtime symbol (the
+    position is None for one nested in a list or passed by keyword)."""
+    found = []
+    for position, arg in enumerate(node.args):
+        for leaf in pytree.tree_leaves(arg):
+            value = leaf.meta.get("val") if isinstance(leaf, torch.fx.Node) else leaf
+            if isinstance(value, (torch.SymInt, torch.SymFloat)):
+                expr = sympy.sympify(value.node.expr)
+                if expr.free_symbols & runtime:
+                    found.append((position if leaf is arg else None, expr))
+    for leaf in pytree.tree_leaves(node.kwargs):
+        value = leaf.meta.get("val") if isinstance(leaf, torch.fx.Node) else leaf
+        if isinstance(value, (torch.SymInt, torch.SymFloat)) and sympy.sympify(value.node.expr).free_symbols & runtime:
+            found.append((None, sympy.sympify(value.node.expr)))
+    return found
 
 
-_SIZE_TAKERS = {aten.view, aten._unsafe_view, aten.reshape, aten.expand, aten.arange, aten.full, aten.zeros,
-                aten.ones, aten.empty, aten.empty_strided, aten.new_empty, aten.new_zeros, aten.new_ones,
-                aten.new_full, aten.slice, aten.narrow}
-"""Ops that take runtime sizes as sizes (a bucket's bound gives the padded shape); elsewhere a runtime size
-is data, which the bound would get wrong."""
+_SIZE_TAKERS = {aten.view, aten._unsafe_view, aten.reshape, aten.expand, aten.zeros, aten.ones, aten.empty,
+                aten.empty_strided, aten.new_empty, aten.new_zeros, aten.new_ones}
+"""Ops that take runtime sizes only as sizes (a bucket's bound gives the padded shape)."""
+
+_DATA_POSITIONS: dict[Any, frozenset[int]] = {
+    aten.full: frozenset({1}), aten.full_like: frozenset({1}), aten.scalar_tensor: frozenset({0}),
+    aten.arange: frozenset({0, 2}), aten.slice: frozenset({2}),
+}
+"""Ops that take sizes as sizes and, at these positions, runtime numbers as data, which their lowerings
+compute when the program runs (``LoweringContext.runtime_scalars``)."""
+
+
+def _runtime_numbers_reason(node: torch.fx.Node, runtime: frozenset[sympy.Symbol]) -> str | None:
+    """Why the runtime-dependent numbers ``node`` takes would make it inexact, or None."""
+    packet = getattr(node.target, "overloadpacket", None)
+    numbers = _runtime_numbers(node, runtime)
+    if packet in _SIZE_TAKERS:
+        return None
+    if packet is aten.arange and node.target is aten.arange.default:
+        return None  # arange(end): the end is a size
+    if packet in _DATA_POSITIONS:
+        data = [expr for position, expr in numbers if position in _DATA_POSITIONS[packet]]
+    elif torch.Tag.pointwise in getattr(node.target, "tags", ()) and lookup_rule(node.target).promote is not None:
+        data = [expr for _, expr in numbers]
+        if any(position is None for position, _ in numbers):
+            return "it takes a runtime size as a number in a list or by keyword"
+    else:
+        return "it takes a runtime size as a number"
+    for expr in data:
+        if not dynamic_sizes.computable(expr):
+            return f"it takes a runtime size as a number computed in a way tpucompile cannot follow ({expr})"
+    return None
 
 
 def inexact_reason(node: torch.fx.Node, runtime: frozenset[sympy.Symbol]) -> str | None:
@@ -226,12 +305,14 @@ def inexact_reason(node: torch.fx.Node, runtime: frozenset[sympy.Symbol]) -> str
     if not isinstance(node.meta.get("val"), (torch.Tensor, list, tuple)):
         return None  # size arithmetic: checked where its result is used
     dynamic_operand = any(_dynamic_dims(t, runtime) for t in _tensor_operands(node))
-    takes_size = _runtime_scalars(node, runtime)
+    takes_size = bool(_runtime_numbers(node, runtime))
     if not dynamic_operand and not takes_size:
         return None
     packet = getattr(node.target, "overloadpacket", None)
-    if takes_size and packet not in _SIZE_TAKERS:
-        return "it takes a runtime size as a number"
+    if takes_size:
+        reason = _runtime_numbers_reason(node, runtime)
+        if reason is not None:
+            return reason
     if is_random(node.target):
         return "it draws random numbers for the padded shape"
     if packet in _CONDITIONAL:

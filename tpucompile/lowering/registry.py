@@ -41,6 +41,24 @@ class LoweringContext:
     """With a promotion policy: the dtype the operands were converted to."""
     random: Any = None
     """For rules registered with ``random=True``: the program's ``rng.RandomStream``."""
+    extent: Callable[[Any, int], ir.Value | None] = lambda meta, dim: None
+    """In a bucketed program, the actual (runtime) size of dimension ``dim`` of the operand whose traced
+    value is ``meta``, as an ``i32`` scalar, when that dimension is padded to its bucket; else None. Rules
+    whose results would read the padded extent as data (a mean's divisor, a position counted from the end)
+    use it."""
+    runtime_scalars: dict[int, ir.Value] = dataclasses.field(default_factory=dict)
+    """In a bucketed program, the positional arguments that are numbers computed from runtime sizes (a mean's
+    backward divides by the length, a cache's positions start at its length), each as a scalar value the
+    program computes when it runs: the argument the rule gets is its value at the bucket, right only for a
+    size that shapes the result. Elementwise rules take these values in place of the number."""
+
+    def scalar(self, position: int, value: Any, dtype: torch.dtype, shape: Sequence[int]) -> ir.Value:
+        """Argument ``position`` (whose number is ``value``) as a ``dtype`` tensor of ``shape``: computed when
+        the program runs where it depends on runtime sizes, else a constant."""
+        runtime = self.runtime_scalars.get(position)
+        if runtime is None:
+            return builder.constant(value, dtype, shape)
+        return builder.broadcast_to(builder.convert(runtime, dtype), shape)
 
     @property
     def aval_out(self) -> TensorSpec:
@@ -80,7 +98,7 @@ class LoweringRule:
             if isinstance(arg, ir.Value):
                 args[p] = builder.broadcast_to(builder.convert(arg, compute_dtype), out_shape)
             else:
-                args[p] = builder.constant(arg, compute_dtype, out_shape)
+                args[p] = ctx.scalar(p, arg, compute_dtype, out_shape)
         result = self.fn(ctx, *args, **kwargs)
         return builder.convert(result, ctx.aval_out.dtype)
 

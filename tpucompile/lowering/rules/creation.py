@@ -14,17 +14,17 @@ prims = torch.ops.prims
 
 @register_lowering(aten.full.default)
 def _full(ctx, size, fill_value, **kwargs):
-    return builder.constant(fill_value, ctx.aval_out.dtype, ctx.aval_out.shape)
+    return ctx.scalar(1, fill_value, ctx.aval_out.dtype, ctx.aval_out.shape)
 
 
 @register_lowering(aten.full_like.default)
 def _full_like(ctx, like, fill_value, **kwargs):
-    return builder.constant(fill_value, ctx.aval_out.dtype, ctx.aval_out.shape)
+    return ctx.scalar(1, fill_value, ctx.aval_out.dtype, ctx.aval_out.shape)
 
 
 @register_lowering(aten.scalar_tensor.default)
 def _scalar_tensor(ctx, value, **kwargs):
-    return builder.constant(value, ctx.aval_out.dtype, ())
+    return ctx.scalar(0, value, ctx.aval_out.dtype, ())
 
 
 @register_lowering(
@@ -42,34 +42,36 @@ def _ones(ctx, *args, **kwargs):
     return builder.constant(1, ctx.aval_out.dtype, ctx.aval_out.shape)
 
 
-def _arange(ctx, start, step):
+def _arange(ctx, start, step, start_position: int | None, step_position: int | None = None):
+    """``start + i * step``; a start or step computed from runtime sizes (positions after a cache's length)
+    is taken when the program runs."""
     spec = ctx.aval_out
     dtype = spec.dtype
     # Integers count exactly; floats are computed as start + i * step in (at least) f32, then rounded.
     compute = dtype if not dtype.is_floating_point or dtype.itemsize >= 4 else torch.float32
     index = builder.iota(spec.shape, compute, 0)
-    values = hlo.add(
-        builder.constant(start, compute, spec.shape),
-        hlo.multiply(index, builder.constant(step, compute, spec.shape)),
-    )
-    return builder.convert(values, dtype)
+    first = (ctx.scalar(start_position, start, compute, spec.shape) if start_position is not None
+             else builder.constant(start, compute, spec.shape))
+    stride = (ctx.scalar(step_position, step, compute, spec.shape) if step_position is not None
+              else builder.constant(step, compute, spec.shape))
+    return builder.convert(hlo.add(first, hlo.multiply(index, stride)), dtype)
 
 
 @register_lowering(aten.arange.default)
 def _arange_end(ctx, end, **kwargs):
-    return _arange(ctx, 0, 1)
+    return _arange(ctx, 0, 1, start_position=None)
 
 
 @register_lowering(aten.arange.start)
 def _arange_start(ctx, start, end, **kwargs):
-    return _arange(ctx, start, 1)
+    return _arange(ctx, start, 1, start_position=0)
 
 
 @register_lowering(aten.arange.start_step)
 def _arange_start_step(ctx, start, end, step=1, **kwargs):
-    return _arange(ctx, start, step)
+    return _arange(ctx, start, step, start_position=0, step_position=2)
 
 
 @register_lowering(prims.iota.default)
 def _iota(ctx, length, *, start, step, **kwargs):
-    return _arange(ctx, start, step)
+    return _arange(ctx, start, step, start_position=None)

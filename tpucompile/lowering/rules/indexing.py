@@ -352,9 +352,24 @@ def _gather(ctx, x, dim, index, sparse_grad=False):
     return builder.reshape(builder.take_along(x, dim, index), ctx.aval_out.shape)
 
 
+def _drop_padded_indices(ctx, index: Value, size: int) -> Value:
+    """In a bucketed program, ``index`` with its elements past the actual sizes of its runtime-sized
+    dimensions set to ``size`` (out of range), so that XLA's scatter drops their updates: the padding holds
+    any index, which would write over actual elements."""
+    meta = ctx.operand_metas[2]
+    shape = builder.shape_of(index)
+    for d in range(len(shape)):
+        extent = ctx.extent(meta, d) if meta.dim() else None
+        if extent is not None:
+            inside = builder.compare(builder.iota(shape, torch.int32, d), builder.broadcast_to(extent, shape), "LT")
+            index = builder.select(inside, index, builder.constant(size, builder.dtype_of(index), shape))
+    return index
+
+
 def _scatter_with(ctx, x, dim, index, src, combiner: Combiner) -> Value:
     x, index = builder.at_least_1d(x), builder.at_least_1d(index)
     dim %= builder.rank_of(x)
+    index = _drop_padded_indices(ctx, index, builder.shape_of(x)[dim])
     if not isinstance(src, ir.Value):
         src = builder.constant(src, builder.dtype_of(x), builder.shape_of(index))
     src = builder.at_least_1d(src)
@@ -390,6 +405,7 @@ def _scatter_reduce(ctx, x, dim, index, src, reduce, include_self=True):
         raise UnsupportedOpError(f"scatter_reduce with reduce={reduce!r} is not supported")
     x, index, src = builder.at_least_1d(x), builder.at_least_1d(index), builder.at_least_1d(src)
     dim %= builder.rank_of(x)
+    index = _drop_padded_indices(ctx, index, builder.shape_of(x)[dim])
     shape, index_shape = builder.shape_of(x), builder.shape_of(index)
     base = x
     if not include_self:
@@ -455,16 +471,30 @@ def _slice_scatter(ctx, x, src, dim=0, start=None, end=None, step=1):
     dim %= len(shape)
     size = shape[dim]
     start = 0 if start is None else start
+    if start < 0 and step == 1 and ctx.extent(ctx.operand_metas[0], dim) is not None:
+        return _scatter_from_actual_end(ctx, x, src, dim, start)
     start = min(max(start + size if start < 0 else start, 0), size)
     return _strided_scatter(x, src, dim, start, step)
+
+
+def _scatter_from_actual_end(ctx, x, src, dim: int, start: int):
+    """``x`` with ``src`` written from ``start`` counted from the actual end of a dimension padded to its
+    bucket (the backward of a slice or select from the end), a position known when the program runs."""
+    zero = builder.constant(0, torch.int32, ())
+    first = hlo.maximum(hlo.add(ctx.extent(ctx.operand_metas[0], dim), builder.constant(start, torch.int32, ())),
+                        zero)
+    starts = [first if d == dim else zero for d in range(builder.rank_of(x))]
+    return hlo.dynamic_update_slice(x, builder.convert(src, builder.dtype_of(x)), starts)
 
 
 @register_lowering(aten.select_scatter.default)
 def _select_scatter(ctx, x, src, dim, index):
     shape = builder.shape_of(x)
     dim %= len(shape)
-    index = index + shape[dim] if index < 0 else index
     src = builder.reshape(src, (*shape[:dim], 1, *shape[dim + 1 :]))
+    if index < 0 and ctx.extent(ctx.operand_metas[0], dim) is not None:
+        return _scatter_from_actual_end(ctx, x, src, dim, index)
+    index = index + shape[dim] if index < 0 else index
     return _strided_scatter(x, src, dim, index, 1)
 
 

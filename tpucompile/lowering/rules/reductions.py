@@ -38,15 +38,44 @@ def _sum(ctx, x, dim=None, keepdim=False, *, dtype=None):
     return _keep(ctx, builder.convert(builder.reduce_sum(x, _dims(x, dim)), out))
 
 
+def _count(ctx, x, dims: list[int]) -> int | ir.Value:
+    """How many elements a reduction over ``dims`` of operand ``x`` takes in: a number, or in a bucketed
+    program that reduces a padded dimension, the product of the actual extents (an ``i32`` scalar), since the
+    padding is not counted."""
+    shape = builder.shape_of(x)
+    static, actual = 1, None
+    for d in dims:
+        extent = ctx.extent(ctx.operand_metas[0], d)
+        if extent is None:
+            static *= shape[d]
+        else:
+            actual = extent if actual is None else hlo.multiply(actual, extent)
+    if actual is None:
+        return static
+    if static != 1:
+        actual = hlo.multiply(actual, builder.constant(static, builder.dtype_of(actual), ()))
+    return actual
+
+
+def _divided(total: ir.Value, count: int | ir.Value, correction: float = 0) -> ir.Value:
+    """``total / max(count - correction, 0)`` in ``total``'s dtype."""
+    dtype, shape = builder.dtype_of(total), builder.shape_of(total)
+    if isinstance(count, int):
+        return hlo.divide(total, builder.constant(max(count - correction, 0), dtype, shape))
+    divisor = builder.convert(count, dtype)
+    if correction:
+        divisor = hlo.maximum(hlo.subtract(divisor, builder.constant(correction, dtype, ())),
+                              builder.constant(0, dtype, ()))
+    return hlo.divide(total, builder.broadcast_to(divisor, shape))
+
+
 @register_lowering(aten.mean.dim, aten.mean.default)
 def _mean(ctx, x, dim=None, keepdim=False, *, dtype=None):
     out = ctx.aval_out.dtype
     dims = _dims(x, dim)
-    count = math.prod(builder.shape_of(x)[d] for d in dims)
+    count = _count(ctx, x, dims)
     x = builder.convert(x, builder.accumulator_dtype(out))
-    total = builder.reduce_sum(x, dims)
-    mean = hlo.divide(total, builder.constant(count, builder.dtype_of(total), builder.shape_of(total)))
-    return _keep(ctx, builder.convert(mean, out))
+    return _keep(ctx, builder.convert(_divided(builder.reduce_sum(x, dims), count), out))
 
 
 @register_lowering(aten.prod.default, aten.prod.dim_int)
@@ -135,16 +164,13 @@ def _min_dim(ctx, x, dim, keepdim=False):
     return _values_and_indices(ctx, x, dim, False)
 
 
-def _variance(x, dims, correction):
-    count = math.prod(builder.shape_of(x)[d] for d in dims)
-    total = builder.reduce_sum(x, dims)
+def _variance(ctx, x, dims, correction):
+    count = _count(ctx, x, dims)
     shape = builder.shape_of(x)
-    mean = hlo.divide(total, builder.constant(count, builder.dtype_of(x), builder.shape_of(total)))
+    mean = _divided(builder.reduce_sum(x, dims), count)
     kept = [1 if i in dims else s for i, s in enumerate(shape)]
     centered = hlo.subtract(x, builder.broadcast_to(builder.reshape(mean, kept), shape))
-    squares = builder.reduce_sum(hlo.multiply(centered, centered), dims)
-    divisor = max(count - correction, 0)
-    var = hlo.divide(squares, builder.constant(divisor, builder.dtype_of(x), builder.shape_of(squares)))
+    var = _divided(builder.reduce_sum(hlo.multiply(centered, centered), dims), count, correction)
     return var, mean
 
 
@@ -158,7 +184,7 @@ def _correction(correction, unbiased=None):
 def _var(ctx, x, dim=None, *, correction=None, keepdim=False):
     out = ctx.aval_out.dtype
     x = builder.convert(x, builder.accumulator_dtype(out))
-    var, _ = _variance(x, _dims(x, dim), _correction(correction))
+    var, _ = _variance(ctx, x, _dims(x, dim), _correction(correction))
     return _keep(ctx, builder.convert(var, out))
 
 
@@ -166,7 +192,7 @@ def _var(ctx, x, dim=None, *, correction=None, keepdim=False):
 def _std(ctx, x, dim=None, *, correction=None, keepdim=False):
     out = ctx.aval_out.dtype
     x = builder.convert(x, builder.accumulator_dtype(out))
-    var, _ = _variance(x, _dims(x, dim), _correction(correction))
+    var, _ = _variance(ctx, x, _dims(x, dim), _correction(correction))
     return _keep(ctx, builder.convert(hlo.sqrt(var), out))
 
 
@@ -174,7 +200,7 @@ def _std(ctx, x, dim=None, *, correction=None, keepdim=False):
 def _var_mean(ctx, x, dim=None, *, correction=None, keepdim=False):
     out = ctx.avals_out[0].dtype
     x = builder.convert(x, builder.accumulator_dtype(out))
-    var, mean = _variance(x, _dims(x, dim), _correction(correction))
+    var, mean = _variance(ctx, x, _dims(x, dim), _correction(correction))
     shape = ctx.avals_out[0].shape
     return builder.reshape(builder.convert(var, out), shape), builder.reshape(builder.convert(mean, out), shape)
 

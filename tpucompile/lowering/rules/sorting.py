@@ -17,7 +17,7 @@ import torch
 from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import stablehlo as hlo
 
-from tpucompile.lowering import builder
+from tpucompile.lowering import builder, dynamic_sizes
 from tpucompile.lowering.registry import register_lowering
 from tpucompile.lowering.types import tensor_type
 
@@ -82,9 +82,30 @@ def _sort_stable(ctx, x, *, stable=None, dim=-1, descending=False):
     return _sort_rule(ctx, x, dim, descending)
 
 
+def _last_past_actual(ctx, x: Value, dim: int, descending: bool) -> Value:
+    """In a bucketed program where ``dim`` is padded to its bucket, ``x`` as a value of fixed shape with every
+    element past the actual size replaced by one that sorts last (NaN or the largest integer ascending; -inf
+    or the smallest integer descending). The selection is stable, so actual elements equal to it still come
+    first, and ``topk``'s results are of fixed size as torch says (XLA would take the first ``k`` of a padded
+    dimension as runtime-sized)."""
+    extent = ctx.extent(ctx.operand_metas[0], dim)
+    if extent is None:
+        return x
+    x = dynamic_sizes.fixed_shape(x, [dim])
+    shape, dtype = builder.shape_of(x), builder.dtype_of(x)
+    if descending:
+        last = builder.min_value(dtype)
+    else:
+        last = float("nan") if dtype.is_floating_point else builder.max_value(dtype)
+    inside = builder.compare(builder.iota(shape, torch.int32, dim), builder.broadcast_to(extent, shape), "LT")
+    return builder.select(inside, x, builder.constant(last, dtype, shape))
+
+
 def _sort_rule(ctx, x, dim, descending):
     x = builder.at_least_1d(x)
-    values, indices = sort_with_indices(x, dim % builder.rank_of(x), descending)
+    dim %= builder.rank_of(x)
+    # a padded dimension: XLA's dynamic padder sorts the padding last
+    values, indices = sort_with_indices(x, dim, descending)
     return builder.reshape(values, ctx.avals_out[0].shape), builder.reshape(indices, ctx.avals_out[1].shape)
 
 
@@ -98,6 +119,7 @@ than ``k`` fused reductions for a small ``k`` (a mixture-of-experts router's top
 def _topk(ctx, x, k, dim=-1, largest=True, sorted=True):
     x = builder.at_least_1d(x)
     dim %= builder.rank_of(x)
+    x = _last_past_actual(ctx, x, dim, descending=largest)
     if 1 <= k <= TOPK_BY_REDUCTION:
         values, indices = _topk_by_reduction(x, dim, k, largest)
     else:

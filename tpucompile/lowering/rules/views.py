@@ -78,6 +78,13 @@ def _normalize_range(size: int, start: int | None, end: int | None) -> tuple[int
 def _slice(ctx, x, dim=0, start=None, end=None, step=1):
     shape = builder.shape_of(x)
     dim %= len(shape)
+    if start is not None and start < 0 and ctx.extent(ctx.operand_metas[0], dim) is not None:
+        return _from_actual_end(ctx, x, dim, start, ctx.aval_out.shape)
+    if 2 in ctx.runtime_scalars:  # a start computed from runtime sizes (the backward of a concatenation)
+        zero = builder.constant(0, torch.int32, ())
+        first = hlo.maximum(builder.convert(ctx.runtime_scalars[2], torch.int32), zero)
+        starts = [first if d == dim else zero for d in range(len(shape))]
+        return hlo.dynamic_slice(x, starts, list(ctx.aval_out.shape))
     lo, hi = _normalize_range(shape[dim], start, end)
     starts = [0] * len(shape)
     limits = list(shape)
@@ -86,10 +93,24 @@ def _slice(ctx, x, dim=0, start=None, end=None, step=1):
     return builder.slice_static(x, starts, limits, strides)
 
 
+def _from_actual_end(ctx, x, dim: int, start: int, result_shape) -> ir.Value:
+    """The elements of ``x`` from ``start`` (negative: counted from the end) along a dimension padded to its
+    bucket, in a bucketed program: counted from the actual end, not the padded one, so the window starts at a
+    position known only when the program runs."""
+    extent = ctx.extent(ctx.operand_metas[0], dim)
+    zero = builder.constant(0, torch.int32, ())
+    first = hlo.maximum(hlo.add(extent, builder.constant(start, torch.int32, ())), zero)
+    starts = [first if d == dim else zero for d in range(builder.rank_of(x))]
+    return hlo.dynamic_slice(x, starts, list(result_shape))
+
+
 @register_lowering(aten.select.int, aten.select_copy.int)
 def _select(ctx, x, dim, index):
     shape = builder.shape_of(x)
     dim %= len(shape)
+    if index < 0 and ctx.extent(ctx.operand_metas[0], dim) is not None:
+        kept = (*shape[:dim], 1, *shape[dim + 1:])
+        return builder.reshape(_from_actual_end(ctx, x, dim, index, kept), ctx.aval_out.shape)
     index = index + shape[dim] if index < 0 else index
     starts = [0] * len(shape)
     limits = list(shape)
@@ -158,7 +179,23 @@ def _constant_pad_nd(ctx, x, pad, value=0):
         dim = rank - 1 - i
         low[dim], high[dim] = pad[2 * i], pad[2 * i + 1]
     padding = builder.constant(value, builder.dtype_of(x), ())
-    return hlo.pad(x, padding, low, high, [0] * rank)
+    padded = hlo.pad(x, padding, low, high, [0] * rank)
+    for dim in range(rank):
+        extent = ctx.extent(ctx.operand_metas[0], dim)
+        if extent is not None and (low[dim] or high[dim]):
+            padded = _fill_past_actual(padded, dim, low[dim], extent, padding)
+    return padded
+
+
+def _fill_past_actual(padded, dim: int, low: int, extent, padding):
+    """``padded`` with ``padding`` everywhere along ``dim`` outside ``[low, low + extent)``: the input's own
+    padding to its bucket (past its actual size ``extent``) sits where the high padding belongs."""
+    shape = builder.shape_of(padded)
+    positions = builder.iota(shape, torch.int32, dim)
+    end = builder.broadcast_to(hlo.add(extent, builder.constant(low, torch.int32, ())), shape)
+    inside = hlo.and_(builder.compare(positions, builder.constant(low, torch.int32, shape), "GE"),
+                      builder.compare(positions, end, "LT"))
+    return builder.select(inside, padded, builder.broadcast_to(padding, shape))
 
 
 @register_lowering(aten.repeat.default)
