@@ -1,0 +1,100 @@
+"""Hugging Face transformers models, random-initialised from small configs, with sequence lengths that change
+from call to call: on buckets (``dynamic_mode="bucket"``) every length inside a bucket reuses one executable, and
+results, gradients and greedily generated tokens equal eager PyTorch's."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import warnings
+
+import pytest
+import torch
+import transformers
+
+import tpucompile
+from tests.support import assert_close_tree
+from tpucompile import compile_stats
+from tpucompile.errors import TpuCompileWarning
+
+BUCKETED = {"dynamic_mode": "bucket"}
+
+
+def _bert() -> transformers.PreTrainedModel:
+    config = transformers.BertConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                     intermediate_size=128, max_position_embeddings=128, hidden_dropout_prob=0.0,
+                                     attention_probs_dropout_prob=0.0)
+    return transformers.BertForMaskedLM(config)
+
+
+def _llama() -> transformers.PreTrainedModel:
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, intermediate_size=128, max_position_embeddings=128)
+    return transformers.LlamaForCausalLM(config)
+
+
+def _bucket_compiles(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "for a new bucket" in r.getMessage()]
+
+
+@pytest.mark.parametrize("build", [_bert, _llama], ids=["bert", "llama"])
+def test_variable_length_training_on_buckets(build, caplog, seeded):
+    """Lengths 6, 9, 13 share the bucket of 16 and 21 takes 32 (one compile each): logits, loss and every parameter's gradient equal
+    eager at each length, with no graph falling back to per-size compiles (the loss pads the shifted labels and
+    its backward scatters into the hidden states: both stay on buckets)."""
+    caplog.set_level(logging.INFO, logger="tpucompile")
+    model = build()
+    compiled_model = copy.deepcopy(model)
+    compiled = torch.compile(compiled_model, backend="tpucompile", options=BUCKETED)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", TpuCompileWarning)
+        for length in (6, 9, 13, 21):
+            ids = torch.randint(0, model.config.vocab_size, (2, length))
+            torch._dynamo.mark_dynamic(ids, 1)  # no static graph for the first length
+            expected = model(input_ids=ids, labels=ids)
+            got = compiled(input_ids=ids, labels=ids)
+            assert_close_tree(got.logits, expected.logits, atol=1e-5, rtol=1e-5)
+            assert_close_tree(got.loss, expected.loss, atol=1e-5, rtol=1e-5)
+            model.zero_grad()
+            compiled_model.zero_grad()
+            expected.loss.backward()
+            got.loss.backward()
+            for (name, p), q in zip(compiled_model.named_parameters(), model.parameters(), strict=True):
+                torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+    buckets = [m.split("-> bucket ")[1].split()[0] for m in _bucket_compiles(caplog)]
+    assert sorted(set(buckets)) == ["32"], _bucket_compiles(caplog)  # the first call compiles 16, 21 takes 32
+
+
+def _greedy(model, prompt: torch.Tensor, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy decoding with the model's key/value cache: one token per call after the prompt."""
+    out = model(input_ids=prompt, use_cache=True)
+    tokens, logits = [], []
+    for _ in range(steps):
+        logits.append(out.logits[:, -1])
+        token = out.logits[:, -1:].argmax(-1)
+        tokens.append(token)
+        out = model(input_ids=token, past_key_values=out.past_key_values, use_cache=True)
+    return torch.cat(tokens, 1), torch.stack(logits, 1)
+
+
+def test_greedy_generation_with_a_growing_cache(caplog, seeded):
+    """Each decoding step concatenates one token to a cache of runtime length, takes the last position, and
+    counts positions from the cache's length: 20 tokens after a prompt of 6 need two buckets (16 and 32) of the
+    decoding graph, and the tokens and logits equal eager's."""
+    caplog.set_level(logging.INFO, logger="tpucompile")
+    compile_stats.reset()
+    model = _llama().eval()
+    compiled = torch.compile(model, backend="tpucompile", options=BUCKETED)
+    prompt = torch.randint(0, model.config.vocab_size, (2, 6))
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error", TpuCompileWarning)
+        warnings.filterwarnings("ignore", category=FutureWarning)  # transformers renames past_key_values
+        expected_tokens, expected_logits = _greedy(model, prompt, 20)
+        tokens, logits = _greedy(compiled, prompt, 20)
+    assert torch.equal(tokens, expected_tokens)
+    assert_close_tree(logits, expected_logits, atol=1e-5, rtol=1e-5)
+    bucketed = [g for g in tpucompile.stats()["graphs"].values() if g["bucket_hits"]]
+    assert len(bucketed) == 1, tpucompile.stats()
+    (decoding,) = bucketed
+    assert decoding["compiles"] + sum(decoding["hits"].values()) == 2
+    assert decoding["compiles"] + sum(decoding["hits"].values()) + decoding["bucket_hits"] >= 18
