@@ -4,6 +4,7 @@ would make inexact."""
 
 import copy
 import logging
+import os
 import pathlib
 import sys
 import warnings
@@ -280,12 +281,64 @@ def test_opinfo_samples_with_a_dynamic_dimension_match_eager():
     assert {"bucketed", "per-size"} <= outcomes, outcomes  # both paths were exercised
 
 
-def test_compile_only_runs_say_they_compile_per_size():
+def test_compile_only_runs_compile_per_bucket(caplog):
+    """A compile-only run (meta inputs, TPU target) compiles one TPU executable per bucket, and its outputs
+    have the actual sizes."""
     pytest.importorskip("libtpu")
-    compiled = torch.compile(lambda x: x.softmax(0), backend="tpucompile",
+    caplog.set_level(logging.INFO, logger="tpucompile")
+    compiled = torch.compile(lambda x: x.softmax(0) * x.mean(0), backend="tpucompile",
                              options={**BUCKETED, "targets": ["tpu:v5e:1x1"], "compile_only": True,
                                       "cache_mode": "off"})
-    with pytest.warns(TpuCompileWarning, match="once per size, not per bucket: compile-only runs"):
-        x = torch.randn(5, 4)
-        torch._dynamo.mark_dynamic(x, 0)
-        assert compiled(x).shape == (5, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", TpuCompileWarning)
+        for n in (5, 9, 20):
+            x = torch.randn(n, 4, device="meta")
+            torch._dynamo.mark_dynamic(x, 0)
+            assert compiled(x).shape == (n, 4)
+    assert [m.split("-> bucket ")[1].split()[0] for m in _bucket_compiles(caplog)] == ["32"]
+
+
+_SERVER = '''
+import sys
+import torch
+
+def step(x, w):
+    return torch.softmax(x @ w, dim=0).sum(0) + x.mean(0)
+
+compiled = torch.compile(step, backend="tpucompile")
+w = torch.randn(8, 8)
+for n in [int(a) for a in sys.argv[1:]]:
+    x = torch.randn(n, 8)
+    torch._dynamo.mark_dynamic(x, 0)
+    torch.testing.assert_close(compiled(x, w), step(x, w))
+print("served")
+'''
+
+
+def test_warm_fills_every_bucket_so_a_server_never_compiles(tmp_path):
+    """``tpucompile warm --buckets`` runs the script (one size: one bucket), then compiles every other listed
+    bucket of its graph, for this machine and for a compile-only TPU target: a server started on that cache in
+    strict mode (any compile is an error) then serves sizes from 3 to 64 and compiles nothing, and ``cache stats``
+    counts its bucket hits."""
+    import json
+    import subprocess
+
+    script = tmp_path / "server.py"
+    script.write_text(_SERVER)
+    cache = tmp_path / "cache"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TPUCOMPILE_")}
+    warm = subprocess.run([sys.executable, "-m", "tpucompile", "warm", "--json", "--dir", str(cache), "--buckets",
+                           "16,32,64", "--target", "tpu:v5e:2x2", str(script), "5"],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert warm.returncode == 0, warm.stderr[-3000:]
+    report = json.loads(warm.stdout[warm.stdout.index("{\n"):])
+    assert report["buckets_filled"] == 2 and report["targets"]["tpu:v5e:2x2"]["compiled"] == 3
+    serve = subprocess.run([sys.executable, str(script), "3", "17", "40", "64", "9"], capture_output=True, text=True,
+                           env={**env, "TPUCOMPILE_CACHE_DIR": str(cache), "TPUCOMPILE_CACHE_MODE": "strict",
+                                "TPUCOMPILE_DYNAMIC_MODE": "bucket", "TPUCOMPILE_BUCKETS": "16,32,64"}, timeout=300)
+    assert serve.returncode == 0 and "served" in serve.stdout, serve.stderr[-3000:]
+    stats = subprocess.run([sys.executable, "-m", "tpucompile", "cache", "stats", "--json", "--dir", str(cache)],
+                           env=env, capture_output=True, text=True, timeout=120)
+    figures = json.loads(stats.stdout[stats.stdout.index("{"):])
+    assert figures["graph_compiles"] == 3  # the warm run's: the server compiled nothing
+    assert figures["bucket_hits"] == 2  # the server: 64 after 40, 9 after 3 (3, 17, 40: loaded from the cache)

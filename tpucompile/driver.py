@@ -324,9 +324,7 @@ def _bucketable(gm: torch.fx.GraphModule, metas: list[Any], target: Any, options
     if options.dynamic_mode != "bucket":
         return False
     why = None
-    if options.compile_only:
-        why = "compile-only runs compile per size"
-    elif options.mesh is not None or len(target.devices) != 1:
+    if options.mesh is not None or len(target.devices) != 1:
         why = "programs over a device mesh compile per size"
     elif not BucketedGraph.readable(metas):
         why = "a size symbol is not the size of any input, so a call cannot say it"

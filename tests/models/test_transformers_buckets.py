@@ -39,9 +39,9 @@ def _bucket_compiles(caplog) -> list[str]:
 
 @pytest.mark.parametrize("build", [_bert, _llama], ids=["bert", "llama"])
 def test_variable_length_training_on_buckets(build, caplog, seeded):
-    """Lengths 6, 9, 13 share the bucket of 16 and 21 takes 32 (one compile each): logits, loss and every parameter's gradient equal
-    eager at each length, with no graph falling back to per-size compiles (the loss pads the shifted labels and
-    its backward scatters into the hidden states: both stay on buckets)."""
+    """Lengths 6, 9, 13 share the bucket of 16 and 21 takes 32 (one compile each): logits, loss and every
+    parameter's gradient equal eager at each length, with no graph falling back to per-size compiles (the loss
+    pads the shifted labels and its backward scatters into the hidden states: both stay on buckets)."""
     caplog.set_level(logging.INFO, logger="tpucompile")
     model = build()
     compiled_model = copy.deepcopy(model)

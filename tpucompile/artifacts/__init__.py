@@ -21,6 +21,9 @@ from tpucompile.artifacts.other_targets import TargetOutcome, compile_for_target
 from tpucompile.artifacts.plans import load_plan, store_plan
 from tpucompile.artifacts.programs import lowered_program, program_from_key
 from tpucompile.artifacts.stores import clear_memory, executable_cache, persistent_cache
+from tpucompile.artifacts.usage import record_at_exit
+
+record_at_exit()
 
 __all__ = [
     "LoadedExecutable",

@@ -42,6 +42,10 @@ def persistent_cache(options: Options) -> PersistentCache | None:
     return _caches[settings]
 
 
+def open_caches() -> list[PersistentCache | None]:
+    """The persistent caches this process has opened."""
+    return list(_caches.values())
+
 
 def executable_cache() -> MemoryStore[Any]:
     """The process-wide in-memory tier of loaded executables."""

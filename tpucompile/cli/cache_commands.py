@@ -59,6 +59,9 @@ def stats(args: argparse.Namespace) -> int:
         "hits": int(counters.get("hits", 0)),
         "misses": int(counters.get("misses", 0)),
         "seconds_saved": round(counters.get("seconds_saved", 0.0), 3),
+        "graph_compiles": int(counters.get("graph_compiles", 0)),
+        "recompiles": int(counters.get("recompiles", 0)),
+        "bucket_hits": int(counters.get("bucket_hits", 0)),
         "evictions": int(counters.get("evictions", 0)),
         "quarantined_total": int(counters.get("quarantined", 0)),
         "in_quarantine": len(quarantined),
@@ -68,6 +71,9 @@ def stats(args: argparse.Namespace) -> int:
         *(f"  {kind}: {v['entries']} entries, {_size(v['bytes'])}" for kind, v in sorted(by_kind.items())),
         f"  hits {document['hits']}, misses {document['misses']}, "
         f"{document['seconds_saved']:.1f} s of compiling saved",
+        f"  by the processes that used it: {document['graph_compiles']} executables compiled, "
+        f"{document['recompiles']} of them for a new size or bucket, {document['bucket_hits']} calls served by "
+        f"a bucket's executable compiled before",
         f"  evictions {document['evictions']}, quarantined {document['quarantined_total']} "
         f"({document['in_quarantine']} files in quarantine)",
     ])

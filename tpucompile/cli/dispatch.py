@@ -161,6 +161,10 @@ def build_parser() -> argparse.ArgumentParser:
     warm_parser.add_argument("--target", action="append", dest="targets", metavar="TARGET",
                              help="also compile every graph for TARGET and store it (repeatable; e.g. tpu:v5e:2x2, "
                                   "compiled without a TPU, for `cache export` to the TPU hosts)")
+    warm_parser.add_argument("--buckets", metavar="SIZES",
+                             help="compile graphs with changing sizes per bucket (dynamic_mode=bucket with these "
+                                  "buckets, e.g. 64,256,1024) and, after the script, every bucket of every such "
+                                  "graph, so that no size up to the largest compiles again")
     warm_parser.add_argument("script")
     warm_parser.add_argument("script_args", nargs=argparse.REMAINDER)
     return parser

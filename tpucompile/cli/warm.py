@@ -18,7 +18,11 @@ from tpucompile.debug.step_report import format_step_report, step_report
 def warm(args: argparse.Namespace) -> int:
     """Run the script with the cache on (read-write unless the environment says read-only or strict)."""
     cache_off = effective_environ().get("TPUCOMPILE_CACHE_MODE", "") in ("off", "")
-    with script_settings(args, **({"cache_mode": "read-write"} if cache_off else {})) as targets:
+    overrides = {"cache_mode": "read-write"} if cache_off else {}
+    buckets = _bucket_sizes(args.buckets) if getattr(args, "buckets", None) else []
+    if buckets:
+        overrides.update(dynamic_mode="bucket", buckets=",".join(map(str, buckets)))
+    with script_settings(args, **overrides) as targets:
         from tpucompile import driver
 
         events: list[Any] = []
@@ -33,6 +37,7 @@ def warm(args: argparse.Namespace) -> int:
         start = time.perf_counter()
         try:
             status = run_script(args.script, args.script_args)
+            filled = _fill_buckets(buckets) if buckets and not status else 0
         finally:
             remove()
         seconds = time.perf_counter() - start
@@ -52,11 +57,14 @@ def warm(args: argparse.Namespace) -> int:
         "seconds_compiling": round(sum(e.compile_seconds for e in misses), 3),
         "wall_seconds": round(seconds, 3),
         "script_status": status,
+        "buckets_filled": filled,
         "targets": {name: _target_report([e for e in target_events if e.target == name]) for name in targets},
     }
     text = (f"tpucompile warm: {len(events)} graphs, {len(hits)} hits "
             f"({', '.join(f'{n} {t}' for t, n in tiers.items() if n) or 'none'}), {len(misses)} misses, "
             f"{document['seconds_saved']:.2f} s saved, {document['seconds_compiling']:.2f} s compiling")
+    if buckets:
+        text += f"\n  buckets {','.join(map(str, buckets))}: {filled} compiled after the script to fill them"
     for name, report in document["targets"].items():
         text += (f"\n  {name}: {report['graphs']} graphs, {report['hits']} from the cache, {report['compiled']} "
                  f"compiled and stored ({report['seconds_compiling']:.2f} s), {len(report['failed'])} failed")
@@ -78,6 +86,23 @@ def warm(args: argparse.Namespace) -> int:
         print(f"tpucompile warm: --expect-all-hits, but compiled: {', '.join(names)}", file=sys.stderr)
         return 1
     return 0
+
+
+def _bucket_sizes(text: str) -> list[int]:
+    try:
+        sizes = sorted({int(part) for part in text.split(",") if part.strip()})
+    except ValueError:
+        sizes = []
+    if not sizes or sizes[0] < 1:
+        raise SystemExit(f"tpucompile warm: --buckets takes positive sizes separated by commas, got {text!r}")
+    return sizes
+
+
+def _fill_buckets(sizes: list[int]) -> int:
+    """Compile every bucket of every bucketed graph the script left in use; how many were compiled."""
+    from tpucompile.runtime.buckets import live_graphs
+
+    return sum(len(graph.fill(sizes)) for graph in live_graphs())
 
 
 def _without_executable(event: Any) -> Any:

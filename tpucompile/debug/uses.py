@@ -42,9 +42,19 @@ def graph_uses(gm: torch.fx.GraphModule) -> dict[str, int]:
 
 def _per_chip(node: torch.fx.Node, annotation: torch.fx.Node | None) -> int:
     value = node.meta["val"]
-    size = value.numel() * value.element_size()
+    size = _without_guard(value.numel() * value.element_size())
     if annotation is None:
-        return int(size)
+        return size
     axes, dims = decode_sharding(annotation.args[1])
     sizes = dict(axes)
-    return int(size) // math.prod(sizes[a] for d in dims for a in d)
+    return size // math.prod(sizes[a] for d in dims for a in d)
+
+
+def _without_guard(size: int | torch.SymInt) -> int:
+    """A size's value as traced (its hint), read without ``int()``: that would add a guard to the graph's
+    shape environment and pin its symbols to this value for every later use (a bucketed graph would then
+    lower every bucket at the traced size)."""
+    if isinstance(size, torch.SymInt):
+        hint = size.node.hint
+        return int(hint) if hint is not None else 0
+    return int(size)

@@ -10,7 +10,9 @@ each result back to its actual sizes. A size above the largest listed bucket get
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -82,6 +84,7 @@ class BucketedGraph:
         self._last: Bucket | None = None
         self.recompiles: list[str] = []
         """The reason of every compile after the first, in order."""
+        _LIVE.add(self)
 
     @staticmethod
     def readable(metas: Sequence[Any]) -> bool:
@@ -128,6 +131,18 @@ class BucketedGraph:
                    for result, rule in zip(results, self._outputs, strict=True)]
         return replace_views(outputs, self._views, full, values) if self._views else outputs
 
+    def fill(self, sizes: Sequence[int]) -> list[Bucket]:
+        """Compile (or load from the cache) the executable of every bucket whose sizes are all in ``sizes``
+        and not compiled yet, without running it: a server warmed so starts with no compile for any size up
+        to the largest. Returns the buckets compiled."""
+        buckets = [b for b in itertools.product(sorted(set(sizes)), repeat=len(self.symbols))
+                   if b not in self._entries]
+        for bucket in buckets:
+            log.info("compiling %s for bucket %s (filling every bucket)", self.name,
+                     ", ".join(f"{s}={b}" for s, b in zip(self.symbols, bucket, strict=True)))
+            self._compile(bucket)
+        return buckets
+
     def _check(self, args: list[Any], values: dict[sympy.Symbol, int]) -> None:
         """Refuse a call whose sizes disagree with the graph's symbolic sizes (``2*s0`` against 5)."""
         for meta, actual in zip(self._metas, args, strict=True):
@@ -157,10 +172,22 @@ class BucketedGraph:
             stats.record_recompile(self.name, f"new bucket: {described}")
             log.info("compiling %s for a new bucket: %s (%d buckets compiled)", self.name, described,
                      len(self._entries) + 1)
+        return self._compile(bucket)
+
+    def _compile(self, bucket: Bucket) -> tuple[Callable, dict]:
+        bounds = dict(zip(self.symbols, bucket, strict=True))
         shapes = {position: shape_at(self._metas[position], bounds) for position, _ in self._padded}
         entry = (self._build(bounds, frozenset(self.symbols)), shapes)
         keep_bounded(self._entries, bucket, entry, self._max_entries, f"{self.name} dropped the executable for bucket")
         return entry
+
+
+_LIVE: weakref.WeakSet[BucketedGraph] = weakref.WeakSet()
+
+
+def live_graphs() -> list[BucketedGraph]:
+    """The bucketed graphs of this process that are still in use (``tpucompile warm --buckets`` fills them)."""
+    return sorted(_LIVE, key=lambda graph: graph.name)
 
 
 def _graph_outputs(gm: torch.fx.GraphModule) -> list[Any]:
