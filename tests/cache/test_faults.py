@@ -1,0 +1,111 @@
+"""Faults of the local cache directory, seen through the compiler: damaged entries, a full disk, a directory
+that cannot be written. Whatever happens to the directory, a compile returns the right result; what is
+damaged is detected and recompiled, never served; what cannot be written is skipped, never left half-written.
+
+The corruption loop runs 20 rounds by default and 100 with ``TPUCOMPILE_FULL_FAULTS=1``.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+import random
+
+import torch
+
+from tests.cache.cache_helpers import compile_and_run, fault_repetitions, report
+from tpucompile.cache import Entry, LocalStore, decode, encode
+from tpucompile.cache.entry import MAGIC, read_header
+
+
+def f(x, y):
+    return torch.tanh(x @ y) * 2 + 1
+
+
+def _inputs():
+    generator = torch.Generator().manual_seed(0)
+    return torch.randn(3, 4, generator=generator), torch.randn(4, 5, generator=generator)
+
+
+# -- damaged entries --
+
+
+def _resigned(data: bytes, change: dict) -> bytes:
+    """``data`` with its header fields updated by ``change`` and a trailing digest that matches again: damage
+    the checksum cannot see, which only the checks behind it (key, sizes, digests, schema) can."""
+    header = read_header(data)
+    start = header.pop("_header_end")
+    header.update(change)
+    text = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+    body = MAGIC + len(text).to_bytes(4, "little") + text + data[start:-32]
+    return body + hashlib.sha256(body).digest()
+
+
+def _damage(rng: random.Random, how: str, good: dict[str, bytes]) -> dict[str, bytes]:
+    """New bytes for some of the entries in ``good`` (kind → bytes), damaged as ``how`` says."""
+    kinds = sorted(good)
+    chosen = rng.sample(kinds, rng.randrange(1, len(kinds) + 1))
+    if how == "swapped":
+        first, second = rng.sample(kinds, 2)
+        return {first: good[second], second: good[first]}
+    damaged = {}
+    for kind in chosen:
+        data = bytearray(good[kind])
+        if how == "flipped":
+            for _ in range(rng.randrange(1, 9)):
+                data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
+        elif how == "truncated":
+            data = data[: rng.randrange(len(data))]
+        elif how == "wrong_key":  # a sound entry of another key, filed under this one
+            entry = decode(bytes(data))
+            other = Entry.create({**entry.components, "filed_under": "another key"}, entry.payload,
+                                 entry.metadata, entry.compile_seconds)
+            data = bytearray(encode(other))
+        else:  # "wrong_header": a header field altered, the digest recomputed
+            field, value = rng.choice([("key", "0" * 64), ("schema", 2), ("payload_size", 1),
+                                       ("payload_sha256", "0" * 64),
+                                       ("component_digests", {"kind": "0" * 64})])
+            data = bytearray(_resigned(bytes(data), {field: value}))
+        damaged[kind] = bytes(data)
+    return damaged
+
+
+def _quarantined(store: LocalStore) -> list[bytes]:
+    return [p.read_bytes() for p in store.quarantine_dir.iterdir() if not p.name.endswith(".why")]
+
+
+def test_damaged_entries_are_detected_and_never_served(cache_dir):
+    """Each round damages the plan, program and executable entries of one graph (flipped bits, truncation,
+    a sound entry of another key filed under this one, a header altered with its digest recomputed, two
+    entries' files swapped) and compiles again: the result is right, every damaged entry is moved to
+    quarantine byte for byte, and its layer is rebuilt instead of loaded. 20 rounds; 100 in full."""
+    rounds = fault_repetitions(20, 100)
+    x, y = _inputs()
+    expected = f(x, y)
+    compile_and_run(f, x, y)
+    store = LocalStore(cache_dir)
+    rng = random.Random(11)
+    ways = ["flipped", "truncated", "wrong_key", "wrong_header", "swapped"]
+    detected = wrong = 0
+    seen = collections.Counter()
+    for trial in range(rounds):
+        paths = {decode(store.read(k), k).kind: store.path(k) for k in store.list_keys()}
+        assert sorted(paths) == ["executable", "plan", "program"], "the last round republished every layer"
+        how = ways[trial % len(ways)]
+        damaged = _damage(rng, how, {kind: path.read_bytes() for kind, path in paths.items()})
+        for kind, data in damaged.items():
+            paths[kind].write_bytes(data)
+        before = _quarantined(store)
+        result, (event,) = compile_and_run(f, x, y)
+        wrong += not torch.allclose(result, expected)
+        moved = _quarantined(store)
+        for data in before:
+            moved.remove(data)
+        rebuilt = {"plan": event.graph is not None, "program": event.program_tier is None,
+                   "executable": event.tier is None}
+        detected += sorted(moved) == sorted(damaged.values()) and all(rebuilt[kind] for kind in damaged)
+        seen[how] += 1
+    report("corruption", rounds=rounds, detected=detected, wrong_results=wrong, **seen)
+    assert wrong == 0
+    assert detected == rounds
