@@ -93,9 +93,12 @@ class SingleFlight:
                  "expires": now + self.lease_seconds}
         path = self.lock_dir / f"{key}.lease"
         temp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        with contextlib.suppress(OSError):
+        try:
             temp.write_text(json.dumps(lease))
             os.replace(temp, path)
+        except OSError:  # a full disk: no lease (waiters rely on the lock), and no half-written temp file
+            with contextlib.suppress(OSError):
+                temp.unlink()
 
     def _holder_is_stale(self, key: str) -> bool:
         assert self.lock_dir is not None
