@@ -83,6 +83,8 @@ class SingleFlight:
                 return True
             except filelock.Timeout:
                 pass
+            except OSError:  # no lock file can be made (the folder became read-only, a full disk): compile
+                return False  # without the cross-process lock; at worst another process compiles the key too
             if published() or self._holder_is_stale(key):
                 return False
 
