@@ -11,6 +11,7 @@ import collections
 import hashlib
 import json
 import os
+import pathlib
 import random
 import shutil
 import subprocess
@@ -200,3 +201,65 @@ def test_full_disk_during_publish(tmp_path, how):
         assert full["published"] == [], "nothing fits on a full disk"
     assert room["ok"] and room["tier"] is None and room["key"] == full["key"], "the next run recompiles"
     assert "executable" in room["published"] and room["temp"] == [], "and publishes once there is room"
+
+
+# -- a directory that cannot be written --
+
+
+def g(x, y):
+    return torch.sigmoid(x @ y) - 1
+
+
+_READ_ONLY_RUN = r"""
+import json, torch
+from tests.cache.cache_helpers import compile_and_run
+from tests.cache.test_faults import f, g, _inputs
+x, y = _inputs()
+runs = {}
+for fn in (f, g):
+    result, (event,) = compile_and_run(fn, x, y)
+    runs[fn.__name__] = {"ok": bool(torch.allclose(result, fn(x, y))), "tier": event.tier}
+print(json.dumps(runs))
+"""
+
+
+def _snapshot(root: pathlib.Path) -> list[tuple[str, int, int]]:
+    return sorted((str(p.relative_to(root)), p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*"))
+
+
+def _without_write_permission() -> tuple[str, ...] | None:
+    """How to run a process that file permissions bind: as it is, except for root, which chmod does not bind
+    (then ``setpriv`` drops every capability, so root obeys the mode bits); None when that is not possible."""
+    if os.geteuid() != 0:
+        return ()
+    setpriv = shutil.which("setpriv")
+    return (setpriv, "--bounding-set=-all", "--inh-caps=-all") if setpriv else None
+
+
+def test_read_only_directory_is_read_never_written(cache_dir):
+    """A warm cache made read-only with ``chmod -R a-w``, used by a process in the default read-write mode:
+    the cached graph loads from it, a new graph compiles, both results are right, nothing in the directory
+    changes (no entry, lock, lease, temp file or index write), and the process says so once, not per entry."""
+    wrap = _without_write_permission()
+    if wrap is None:
+        pytest.skip("running as root without setpriv: chmod cannot take write permission away")
+    x, y = _inputs()
+    compile_and_run(f, x, y)
+    before = _snapshot(cache_dir)
+    for path in [cache_dir, *cache_dir.rglob("*")]:
+        path.chmod(path.stat().st_mode & ~0o222)
+    try:
+        done = subprocess.run([*wrap, sys.executable, "-c", _READ_ONLY_RUN], capture_output=True, text=True,
+                              timeout=300, cwd=os.getcwd())
+    finally:
+        for path in [cache_dir, *cache_dir.rglob("*")]:
+            path.chmod(path.stat().st_mode | 0o200)
+    assert done.returncode == 0, done.stderr[-3000:]
+    runs = json.loads(done.stdout.strip().splitlines()[-1])
+    warnings = [line for line in done.stderr.splitlines() if "WARNING" in line or "tpucompile:" in line]
+    report("read_only_chmod", cached=runs["f"]["tier"], new=runs["g"]["tier"] or "compiled",
+           results_ok=runs["f"]["ok"] and runs["g"]["ok"], changed=len(set(_snapshot(cache_dir)) ^ set(before)),
+           warnings=len(warnings))
+    assert runs["f"] == {"ok": True, "tier": "local"} and runs["g"] == {"ok": True, "tier": None}
+    assert _snapshot(cache_dir) == before, "a read-only cache directory was written"
+    assert len(warnings) == 1 and "read-only" in warnings[0], warnings
