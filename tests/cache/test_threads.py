@@ -15,11 +15,11 @@ def _model(width: int, hidden: int, outputs: int) -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(width, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, outputs))
 
 
-def test_threads_compile_different_models_while_others_share_one(cache_dir):
+def test_threads_compile_different_models_while_others_share_one(cache_dir, monkeypatch):
     """16 threads released together: 8 each compile and run a model of their own (widths differ, so their
     programs do), 8 call one compiled module that none of them has run yet. Every result equals eager
     PyTorch and each of the 9 models is compiled once: one compile event per key that no cache tier served,
-    whatever the interleaving. One round; 5 with $TPUCOMPILE_FULL_FAULTS=1 (a fresh start each).
+    whatever the interleaving. One round; 5 with $TPUCOMPILE_FULL_FAULTS=1 (a fresh start and an empty cache each).
 
     The 9 models share one ``forward``, whose Dynamo cache holds 8 entries by default and would make sizes
     dynamic on a second shape: both are set aside, so that each model is one graph of its own."""
@@ -34,7 +34,8 @@ def test_threads_compile_different_models_while_others_share_one(cache_dir):
         shared_expected = [shared(x) for x in shared_inputs]
     wrong = failed = 0
     compiles_per_key: collections.Counter[str] = collections.Counter()
-    for _ in range(rounds):
+    for round_ in range(rounds):
+        monkeypatch.setenv("TPUCOMPILE_CACHE_DIR", str(cache_dir / f"round-{round_}"))  # nothing cached yet
         with fresh_start() as events:
             shared_compiled = torch.compile(shared, backend="tpucompile", dynamic=False)
             outcomes, errors = _run_together(
