@@ -1,4 +1,5 @@
-"""Helpers shared by the cache tests: fresh-process workloads, free ports, clean in-process tiers."""
+"""Helpers shared by the cache tests: fresh-process workloads, free ports, clean in-process tiers, the size of
+fault-injection loops and the payloads whose every byte a reader can check."""
 
 from __future__ import annotations
 
@@ -6,12 +7,32 @@ import contextlib
 import json
 import os
 import pathlib
+import random
 import subprocess
 import sys
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 WORKLOAD = pathlib.Path(__file__).with_name("workload.py")
+FULL_FAULTS_FLAG = "TPUCOMPILE_FULL_FAULTS"
+
+
+def fault_repetitions(reduced: int, full: int) -> int:
+    """How many times a fault-injection loop runs: ``reduced`` by default (CI's time budget), ``full`` when
+    ``$TPUCOMPILE_FULL_FAULTS=1`` (the figures docs/reliability.md states come from a full run)."""
+    return full if os.environ.get(FULL_FAULTS_FLAG) == "1" else reduced
+
+
+def report(name: str, **figures: Any) -> None:
+    """Print a fault test's figures on one line (``pytest -s`` shows them; docs/reliability.md quotes them)."""
+    print(f"\nreliability: {name}: " + ", ".join(f"{k}={v}" for k, v in figures.items()), flush=True)
+
+
+def entry_payload(seed: str, n: int, largest: int = 3 << 20) -> bytes:
+    """The payload of entry ``n`` of writer ``seed``: random bytes, yet reproducible, so a reader can tell a
+    served entry's bytes from anything else without trusting the cache's own checks."""
+    rng = random.Random(f"{seed}:{n}")
+    return rng.randbytes(rng.randrange(1, largest))
 
 
 def workload_env(cache_dir: pathlib.Path | str, **extra: str) -> dict[str, str]:

@@ -102,3 +102,11 @@ def test_waiter_returns_when_the_entry_is_published(tmp_path):
     finally:
         holder.send_signal(signal.SIGKILL)
         holder.wait()
+
+
+def test_a_lock_file_that_cannot_be_made_is_no_error(tmp_path):
+    """A lock folder where no file can be created (read-only, a full disk; here a path through a regular
+    file): the claim is not held, the caller compiles without the cross-process lock instead of failing."""
+    (tmp_path / "plain-file").write_text("")
+    with SingleFlight(tmp_path / "plain-file" / "locks").claim(KEY) as held:
+        assert not held

@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
 import socket
 import subprocess
+import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 import torch
 
-from tests.cache.cache_helpers import compile_and_run
-from tpucompile.cache import Entry, LocalStore, PersistentCache
+from tests.cache.cache_helpers import compile_and_run, report
+from tpucompile.artifacts import persistent_cache
+from tpucompile.cache import Entry, LocalStore, PersistentCache, decode
 from tpucompile.cache.remote import FsspecStore
+from tpucompile.config import Options
 
 
 def g(x):
@@ -133,3 +138,134 @@ def test_silent_remote_costs_one_timeout_not_one_per_graph(tmp_path, monkeypatch
         assert time.monotonic() - start < 12
     finally:
         blackhole.close()
+
+
+def _command(buffer: bytes) -> tuple[list[bytes], int] | None:
+    """The first whole Redis command in ``buffer`` (an array of bulk strings) and its length; None if cut."""
+    def line(at: int) -> tuple[bytes, int] | None:
+        end = buffer.find(b"\r\n", at)
+        return None if end < 0 else (buffer[at:end], end + 2)
+
+    head = line(0)
+    if head is None:
+        return None
+    count, at = int(head[0][1:]), head[1]
+    args = []
+    for _ in range(count):
+        size = line(at)
+        if size is None:
+            return None
+        length, at = int(size[0][1:]), size[1]
+        if len(buffer) < at + length + 2:
+            return None
+        args.append(buffer[at : at + length])
+        at += length + 2
+    return args, at
+
+
+def _answer(connection: socket.socket, behaviour: str, delay: float) -> None:
+    """Play a broken Redis on one connection: "slow" answers every command rightly (GET: no such key;
+    anything else: OK) after ``delay`` seconds; "garbage" answers anything with bytes no client can parse."""
+    buffer = b""
+    with contextlib.suppress(OSError), connection:
+        while chunk := connection.recv(65536):
+            buffer += chunk
+            if behaviour == "garbage":
+                connection.sendall(b"<html>502 Bad Gateway</html>\r\n\x00\xff")
+                continue
+            while (parsed := _command(buffer)) is not None:
+                args, used = parsed
+                buffer = buffer[used:]
+                time.sleep(delay)
+                connection.sendall(b"$-1\r\n" if args[0].upper() == b"GET" else b"+OK\r\n")
+
+
+@contextlib.contextmanager
+def _broken_remote(behaviour: str, delay: float = 2.0) -> Iterator[str]:
+    """The URL of a Redis that is "refused" (nothing listens), "silent" (connections are accepted, never
+    answered), "slow" or "garbage" (see ``_answer``)."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    url = f"redis://127.0.0.1:{server.getsockname()[1]}/0"
+    if behaviour == "refused":
+        server.close()
+        yield url
+        return
+    server.listen(16)
+    stop = threading.Event()
+
+    def serve() -> None:
+        with contextlib.suppress(OSError):
+            while not stop.is_set():
+                connection, _ = server.accept()
+                if behaviour != "silent":
+                    threading.Thread(target=_answer, args=(connection, behaviour, delay), daemon=True).start()
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        yield url
+    finally:
+        stop.set()
+        server.close()
+
+
+@pytest.mark.parametrize("behaviour", ["refused", "silent", "slow", "garbage"])
+def test_broken_remote_fails_no_compile_and_costs_one_call(tmp_path, monkeypatch, behaviour):
+    """A remote that refuses connections, accepts them and never answers, answers each command 2 s late
+    (past the 1 s timeout), or answers with garbage: three graphs compile to the right results, and the
+    remote costs one failed call for the whole process (then it is skipped for its 30 s cool-down), so at
+    most one timeout, not one per graph or per entry."""
+    monkeypatch.setenv("TPUCOMPILE_CACHE_DIR", str(tmp_path))
+    x = torch.randn(4, 6)
+    failures = 0
+    with _broken_remote(behaviour) as url:
+        start = time.monotonic()
+        for fn in (g, h, k):
+            try:
+                result, (event,) = compile_and_run(fn, x, cache_remote=url, cache_remote_timeout=1)
+                failures += not torch.allclose(result, fn(x)) or event.tier is not None
+            except Exception:
+                failures += 1
+        elapsed = time.monotonic() - start
+        remote = persistent_cache(Options.from_sources({"cache_remote": url, "cache_remote_timeout": 1})).remote
+    report(f"remote_{behaviour}", graphs=3, failures=failures, remote_calls_failed=remote.errors,
+           seconds=round(elapsed, 1))
+    assert failures == 0
+    assert remote.errors == 1, "one failed call, then the remote is left alone for its cool-down"
+    assert LocalStore(tmp_path).contains(event.key), "the local tier works as if there were no remote"
+
+
+def test_remote_serving_damaged_entries_is_ignored(tmp_path, monkeypatch, caplog):
+    """Every object of a shared remote damaged (one byte flipped): a host with an empty local cache compiles
+    three graphs to the right results, refuses every damaged object (each executable is looked up twice,
+    before and after its single-flight claim), and copies none of them locally."""
+    remote = f"file://{tmp_path / 'remote'}"
+    x = torch.randn(4, 6)
+    monkeypatch.setenv("TPUCOMPILE_CACHE_DIR", str(tmp_path / "a"))
+    for fn in (g, h, k):
+        compile_and_run(fn, x, cache_remote=remote)
+    objects = [p for p in (tmp_path / "remote").rglob("*") if p.is_file()]
+    damaged = []
+    for path in objects:
+        data = bytearray(path.read_bytes())
+        data[len(data) // 3] ^= 0x10
+        path.write_bytes(bytes(data))
+        damaged.append(bytes(data))
+    monkeypatch.setenv("TPUCOMPILE_CACHE_DIR", str(tmp_path / "b"))
+    wrong = 0
+    with caplog.at_level(logging.WARNING, logger="tpucompile"):
+        for fn in (g, h, k):
+            result, (event,) = compile_and_run(fn, x, cache_remote=remote)
+            wrong += not torch.allclose(result, fn(x)) or event.tier is not None or event.program_tier is not None
+    refused = {r.getMessage().split()[4] for r in caplog.records if "remote cache entry" in r.getMessage()}
+    local = LocalStore(tmp_path / "b")
+    kept = [local.read(key) for key in local.list_keys()]
+    for data, key in zip(kept, local.list_keys(), strict=True):
+        decode(data, key)
+    counted = PersistentCache(tmp_path / "b").index.counters().get("remote_corrupt", 0)
+    report("remote_damaged_entries", objects=len(objects), detected=len(refused), refusals=int(counted),
+           wrong_results=wrong, copied_locally=sum(data in damaged for data in kept))
+    assert wrong == 0
+    assert refused == {path.name[:16] for path in objects}, "every damaged remote object was refused"
+    assert counted >= len(objects)
+    assert not any(data in damaged for data in kept)

@@ -83,6 +83,8 @@ class SingleFlight:
                 return True
             except filelock.Timeout:
                 pass
+            except OSError:  # no lock file can be made (the folder became read-only, a full disk): compile
+                return False  # without the cross-process lock; at worst another process compiles the key too
             if published() or self._holder_is_stale(key):
                 return False
 
@@ -93,9 +95,12 @@ class SingleFlight:
                  "expires": now + self.lease_seconds}
         path = self.lock_dir / f"{key}.lease"
         temp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        with contextlib.suppress(OSError):
+        try:
             temp.write_text(json.dumps(lease))
             os.replace(temp, path)
+        except OSError:  # a full disk: no lease (waiters rely on the lock), and no half-written temp file
+            with contextlib.suppress(OSError):
+                temp.unlink()
 
     def _holder_is_stale(self, key: str) -> bool:
         assert self.lock_dir is not None

@@ -49,6 +49,19 @@ class LocalStore:
             for folder in (self.entries, self.tmp, self.quarantine_dir, self.locks):
                 folder.mkdir(parents=True, exist_ok=True)
 
+    def write_error(self) -> OSError | None:
+        """Why this process cannot create files here (a read-only mode or mount, another owner), or None when
+        it can: a temp file is created and removed in each folder that writers create files in."""
+        for folder in (self.tmp, self.locks):
+            try:
+                fd, temp = tempfile.mkstemp(dir=folder, prefix="probe.", suffix=".tmp")
+            except OSError as error:
+                return error
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(temp)
+        return None
+
     def path(self, key: str) -> pathlib.Path:
         if not is_key(key):
             raise ValueError(f"not a cache key: {key!r}")

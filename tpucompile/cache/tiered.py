@@ -47,6 +47,10 @@ class PersistentCache:
         self.writable = mode in ("read-write", "strict")
         self.max_size = max_size
         self.local = LocalStore(root, create=self.writable)
+        error = self.local.write_error() if self.writable else None
+        if error is not None:  # once here, rather than a failed write (and a warning) per entry
+            log.warning("tpucompile: cannot write the cache directory %s (%s); using it read-only", root, error)
+            self.writable = False
         self.index = Index(self.local.base / "index.sqlite", read_only=not self.writable)
         self.remote = GuardedRemote(remote, remote_timeout) if remote else None
         self.flight = SingleFlight(self.local.locks if self.writable else None)
