@@ -46,6 +46,11 @@ def test_bucket_options():
         Options.from_sources({"buckets": [0, 8]}, environ={})
     with pytest.raises(OptionsError, match="dynamic_mode"):
         Options.from_sources({"dynamic_mode": "padded"}, environ={})
+    per_input = Options.from_sources({"buckets": {"input_ids": [256, 64], ("mask", 1): "8,32"}}, environ={})
+    assert per_input.buckets == (("input_ids", (64, 256)), ("mask:1", (8, 32)))
+    for bad in ({"x:one": [8]}, {"x": [0]}, {3: [8]}):
+        with pytest.raises(OptionsError, match="buckets"):
+            Options.from_sources({"buckets": bad}, environ={})
 
 
 def _mixed(x: torch.Tensor, w: torch.Tensor):
@@ -121,6 +126,25 @@ _ACTUAL_EXTENT_OPS = {
     "window": lambda x: x[:, :2] * 2,
     "gather": lambda x: x.gather(1, x.argsort(1)[:, :2]),
 }
+
+
+def test_buckets_per_input_dimension(caplog, seeded):
+    """``buckets`` keyed by argument name (every dynamic dimension of it) or ``name:dim``: each dimension
+    takes its own list, found through the sizes' sources in Dynamo's shape environment."""
+    caplog.set_level(logging.INFO, logger="tpucompile")
+
+    def f(tokens, features):
+        return tokens.float().sum(1, keepdim=True) * features.softmax(0).sum(0)
+
+    compiled = torch.compile(f, backend="tpucompile",
+                             options={**BUCKETED, "buckets": {"tokens:1": [8, 100], "features": [40]}})
+    for length, rows in ((5, 3), (9, 30), (50, 35), (7, 12)):
+        tokens, features = torch.randint(0, 9, (2, length)), torch.randn(rows, 4)
+        torch._dynamo.mark_dynamic(tokens, 1)
+        torch._dynamo.mark_dynamic(features, 0)
+        assert_close_tree(compiled(tokens, features), f(tokens, features))
+    (recompile,) = _bucket_compiles(caplog)  # (8, 40) first; (100, 40) for 9 and 50 tokens
+    assert "=9 -> bucket 100" in recompile and "=30 -> bucket 40" in recompile
 
 
 @pytest.mark.parametrize("name", list(_ACTUAL_EXTENT_OPS))

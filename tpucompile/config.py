@@ -52,9 +52,12 @@ class Options:
     results are those of the exact sizes). A graph with an op that padding would make inexact, or on a
     device mesh, or compile-only, is compiled per size ("bucket" then warns once, naming the op)."""
 
-    buckets: tuple[int, ...] = ()
+    buckets: tuple[Any, ...] = ()
     """The sizes a dynamic dimension is padded to under ``dynamic_mode="bucket"`` (the smallest that holds
-    it; a size past the largest gets its own executable); empty: powers of two from ``bucket_minimum``."""
+    it; a size past the largest gets its own executable); empty: powers of two from ``bucket_minimum``. Per
+    input, a dict keyed by the compiled function's argument name (every dynamic dimension of it) or
+    ``"name:dim"``: ``{"input_ids": [64, 256, 1024]}``; dimensions it does not name take powers of two. Held
+    as sorted sizes, or as sorted ``(key, sizes)`` pairs for the dict."""
 
     bucket_minimum: int = 16
     """The smallest power-of-two bucket, so that small sizes share one executable."""
@@ -239,7 +242,10 @@ def _check_type(name: str, value: Any, annotation: str) -> Any:
         raise OptionsError(f"tpucompile option {name!r} must be a non-negative int or None, got {value!r}")
     if name == "num_processes" and value < 1:
         raise OptionsError(f"tpucompile option 'num_processes' must be at least 1, got {value!r}")
-    if annotation == "tuple[int, ...]":
+    if name == "buckets" and isinstance(value, dict):
+        return tuple(sorted((_bucket_key(key), _check_type(name, sizes, "tuple[int, ...]"))
+                            for key, sizes in value.items()))
+    if annotation == "tuple[int, ...]" or name == "buckets":
         sizes = value.split(",") if isinstance(value, str) else value
         try:
             sizes = tuple(sorted({int(size) for size in sizes if str(size).strip()}))
@@ -260,6 +266,16 @@ def _check_type(name: str, value: Any, annotation: str) -> Any:
     if name == "shard":
         return shard_option(value)
     return value
+
+
+def _bucket_key(key: Any) -> str:
+    """``"name"`` or ``"name:dim"`` (also from a ``(name, dim)`` pair) of a per-input ``buckets`` entry."""
+    if isinstance(key, tuple) and len(key) == 2 and isinstance(key[0], str) and isinstance(key[1], int):
+        key = f"{key[0]}:{key[1]}"
+    if not isinstance(key, str) or not key or key.count(":") > 1 or (
+            ":" in key and not key.split(":")[1].isdigit()):
+        raise OptionsError(f"tpucompile option 'buckets' keys are argument names or 'name:dim', got {key!r}")
+    return key
 
 
 def _parse_env(name: str, raw: str, annotation: str) -> Any:

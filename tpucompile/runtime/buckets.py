@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
+import re
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -49,6 +50,45 @@ def bucket_size(value: int, sizes: Sequence[int], minimum: int) -> int:
     return bucket
 
 
+_SIZE_SOURCE = re.compile(r"^L\['([^']+)'\]\.size\(\)\[(\d+)\]$")
+
+
+def input_dims(symbol: sympy.Symbol, metas: Sequence[Any]) -> list[tuple[str, int]]:
+    """(argument name, dimension) of each input dimension of the compiled function that Dynamo made
+    ``symbol`` (from the shape environment's sources, ``L['input_ids'].size()[1]``)."""
+    for meta in metas:
+        for size in getattr(meta, "shape", ()):
+            if isinstance(size, torch.SymInt):
+                env = size.node.shape_env
+                found = []
+                for source in env.var_to_sources.get(symbol, []):
+                    name = source.name if isinstance(source.name, str) else source.name()
+                    match = _SIZE_SOURCE.match(name)
+                    if match:
+                        found.append((match[1], int(match[2])))
+                return found
+    return []
+
+
+def sizes_per_symbol(symbols: Sequence[sympy.Symbol], metas: Sequence[Any],
+                     buckets: Sequence[Any]) -> dict[sympy.Symbol, tuple[int, ...]]:
+    """The bucket sizes of each symbol: the ``buckets`` list for all, or from its per-input dict form (keyed by
+    argument name, or ``name:dim``), the entry of an input dimension the symbol is the size of (none: powers of
+    two)."""
+    if not buckets or isinstance(buckets[0], int):
+        return {symbol: tuple(buckets) for symbol in symbols}
+    named = dict(buckets)
+    chosen = {}
+    for symbol in symbols:
+        sizes: tuple[int, ...] = ()
+        for name, dim in input_dims(symbol, metas):
+            sizes = named.get(f"{name}:{dim}") or named.get(name) or ()
+            if sizes:
+                break
+        chosen[symbol] = sizes
+    return chosen
+
+
 class BucketedGraph:
     """A boxed callable that pads each call to its bucket and runs the executable built for that bucket."""
 
@@ -58,7 +98,7 @@ class BucketedGraph:
         gm: torch.fx.GraphModule,
         build: Callable[[dict[sympy.Symbol, int], frozenset[sympy.Symbol]], Callable[[list[Any]], list[Any]]],
         constants: Sequence[torch.Tensor],
-        bucket_sizes: Sequence[int],
+        bucket_sizes: Sequence[Any],
         bucket_minimum: int,
         max_entries: int,
     ) -> None:
@@ -66,12 +106,12 @@ class BucketedGraph:
         self.name = name
         self._build = build
         self._constants = list(constants)
-        self._sizes = tuple(bucket_sizes)
         self._minimum = bucket_minimum
         self._max_entries = max(1, max_entries)
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         self._metas = [n.meta.get("val") for n in placeholders]
         self.symbols = sorted(runtime_symbols(self._metas), key=str)
+        self._sizes = sizes_per_symbol(self.symbols, self._metas, bucket_sizes)
         runtime = frozenset(self.symbols)
         self._sources = symbol_sources(self._metas, runtime)
         self._padded = [(position, symbolic_dims(meta, runtime)) for position, meta in enumerate(self._metas)
@@ -103,7 +143,7 @@ class BucketedGraph:
         return "as-is", None
 
     def bucket_of(self, values: dict[sympy.Symbol, int]) -> Bucket:
-        return tuple(bucket_size(values[s], self._sizes, self._minimum) for s in self.symbols)
+        return tuple(bucket_size(values[s], self._sizes[s], self._minimum) for s in self.symbols)
 
     def __call__(self, args: list[Any]) -> list[Any]:
         full = [*args, *self._constants]
