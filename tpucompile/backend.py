@@ -10,6 +10,7 @@ runs through AOTAutograd's wrapper only until its plan is complete, then through
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 from collections.abc import Callable, Mapping
@@ -58,7 +59,8 @@ def tpucompile_backend(
         record_graph(f"graph {index}", "fx_rewrite_interpolation", gm)
 
     recorder = None
-    components = None if config.compile_only else warm_start.plan_components(gm, example_inputs, config)
+    with _aot_autograd_settings(config):  # the plan is keyed on the settings AOTAutograd will trace with
+        components = None if config.compile_only else warm_start.plan_components(gm, example_inputs, config)
     if components is not None and not dump.active():
         compiled = warm_start.compiled_from_plan(components, config, f"graph {index}")
         if compiled is not None:
@@ -79,12 +81,7 @@ def tpucompile_backend(
 
         return compile_role
 
-    # Effect tokens (e.g. the error checks around linalg ops) stay inside the graphs instead of becoming
-    # runtime inputs that AOTAutograd passes as None.
-    # The partition's activation budget is this compile's, not the process's (the option is in the plan key).
-    with torch._functorch.config.patch(unlift_effect_tokens=True,
-                                       activation_memory_budget=config.activation_memory_budget), \
-            traced_like_real_tensors(example_inputs):
+    with _aot_autograd_settings(config), traced_like_real_tensors(example_inputs):
         compiled = dtensor_outputs(config, aot_autograd(
             fw_compiler=compiler("forward"),
             bw_compiler=compiler("backward"),
@@ -93,6 +90,14 @@ def tpucompile_backend(
             partition_fn=min_cut_rematerialization_partition,
         )(gm, example_inputs))
     return compiled if recorder is None else recorder.take_over(compiled)
+
+
+def _aot_autograd_settings(config: Options) -> contextlib.AbstractContextManager:
+    """The functorch settings tpucompile traces with. Effect tokens (e.g. the error checks around linalg ops)
+    stay inside the graphs instead of becoming runtime inputs that AOTAutograd passes as None. The
+    partition's activation budget is this compile's, not the process's (the option is in the plan key)."""
+    return torch._functorch.config.patch(unlift_effect_tokens=True,
+                                         activation_memory_budget=config.activation_memory_budget)
 
 
 def _compile_only_when_meta(config: Options, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Options:

@@ -40,7 +40,9 @@ class Options:
     as runtime arguments so they do not bloat the program text or its cache key."""
 
     executable_cache_size: int = 256
-    """How many loaded executables the in-process cache keeps (least recently used are dropped)."""
+    """How many loaded executables (and lowered programs, and plans) the in-process cache keeps for the models
+    compiled with these options, least recently used dropped first. It bounds this model only: another
+    model's entries count against that model's own limit (models with equal options share one)."""
 
     max_shape_specializations: int = 64
     """How many concrete-shape executables one symbolic graph keeps before the least recently used is

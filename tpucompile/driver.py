@@ -155,7 +155,6 @@ def compile_graph(
     """
     global _graphs_compiled
     _graphs_compiled += 1
-    artifacts.executable_cache().resize(options.executable_cache_size)
     record_graph(name, "aot_autograd", gm)
     after_pass = functools.partial(record_graph, name) if _graph_recorder is not None else None
     passes = run_passes(gm, options.embed_constant_limit, after_pass, options.mesh, options.shard,

@@ -13,7 +13,9 @@ and returns one gradient per argument. The runner copies the new values into tho
 AOTAutograd's wrapper does (BatchNorm's running statistics in training).
 Plans are plain JSON entries of the persistent cache (kind ``plan``), keyed by a canonical encoding of the
 Dynamo graph, a digest of its nodes' source lines (the programs carry them, as in the program layer), its
-example arguments (dtype, shape, strides, ``requires_grad``), grad and autocast modes, the options, torch's
+example arguments (dtype, shape, strides, ``requires_grad``), the process-wide torch state that changes what
+AOTAutograd makes of the graph (grad and inference modes, autocast, the default dtype, deterministic
+algorithms, every ``torch._functorch.config`` setting, the decomposition table), the options, torch's
 version and the environment of the other layers.
 
 Only graphs whose AOTAutograd wrappers do nothing but call the compiled graph (and copy updated values into
@@ -29,7 +31,10 @@ every graph while a dump is recording (dumps show AOTAutograd's graphs).
 from __future__ import annotations
 
 import dataclasses
+import functools
+import hashlib
 import logging
+import re
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -39,6 +44,7 @@ import torch.fx
 
 from tpucompile import artifacts, driver
 from tpucompile.config import Options
+from tpucompile.frontend import decomposition_table
 from tpucompile.lowering import ShapeBindings
 from tpucompile.runtime import GraphExecutable, get_target
 
@@ -74,11 +80,59 @@ def plan_components(
         "locations": locations,  # the programs carry the user's lines
         "inputs": [_describe(x) for x in example_inputs],
         "grad_enabled": torch.is_grad_enabled(),
+        "inference_mode": torch.is_inference_mode_enabled(),
         "autocast": [torch.is_autocast_enabled("cpu"), str(torch.get_autocast_dtype("cpu"))],
+        "default_dtype": str(torch.get_default_dtype()),
+        "deterministic": [torch.are_deterministic_algorithms_enabled(),
+                          torch.is_deterministic_algorithms_warn_only_enabled()],
+        "functorch_config": _functorch_settings(),
+        "decompositions": _table_digest(decomposition_table()),
         "options": {k: v if isinstance(v, (bool, int, float, str, type(None))) else repr(v)
                     for k, v in sorted(settings.items())},
         **artifacts.environment(get_target(options.platform)),
     }
+
+
+def _functorch_settings() -> dict[str, Any]:
+    """Every setting of ``torch._functorch.config`` as AOTAutograd sees it now (the backend calls this inside
+    its own patches): the partitioner's (what a forward saves for its backward), functionalisation's and the
+    rest all change the graphs a plan records. Callables (a custom joint pass) are named by where they are
+    defined; other values that are not plain JSON by their ``repr``."""
+    values = torch._functorch.config.get_config_copy()
+    return {name: _plain(value) for name, value in sorted(values.items())
+            if name not in ("_save_config_ignore", "TYPE_CHECKING")}
+
+
+def _plain(value: Any) -> Any:
+    """``value`` as the same JSON in every process: callables by where they are defined (``functools.partial``
+    by its function and arguments), other objects by their ``repr`` without memory addresses."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, torch._ops.OpOverload):
+        return str(value)
+    if isinstance(value, functools.partial):
+        arguments = [*map(_plain, value.args), *(f"{k}={_plain(v)}" for k, v in sorted(value.keywords.items()))]
+        return f"partial({_plain(value.func)}, {', '.join(map(str, arguments))})"
+    if callable(value) and hasattr(value, "__qualname__"):
+        return f"{getattr(value, '__module__', '?')}.{value.__qualname__}"
+    return _ADDRESS.sub("", repr(value))
+
+
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+_table_digests: dict[int, tuple[int, str]] = {}
+
+
+def _table_digest(table: dict[Any, Callable[..., Any]]) -> str:
+    """The identity of the decomposition table AOTAutograd traces with: each op it decomposes and the function
+    it decomposes it with (a decomposition registered at run time, or an op that appears later, such as
+    ``prims.fma``, changes it). Memoised per table object and size."""
+    memo = _table_digests.get(id(table))
+    if memo is not None and memo[0] == len(table):
+        return memo[1]
+    entries = sorted(f"{op}={_plain(fn)}" for op, fn in table.items())
+    text = hashlib.sha256("\n".join(entries).encode()).hexdigest()
+    _table_digests[id(table)] = (len(table), text)
+    return text
 
 
 def _is_symbolic(tensor: torch.Tensor) -> bool:

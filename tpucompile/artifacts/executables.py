@@ -77,7 +77,7 @@ def load_executable(
     components = executable_components(program, program_sha256, target, options)
     key = cache_key(components)
     start = time.perf_counter()
-    loaded = stores.executables.get(key)
+    loaded = stores.executables.get(key, **stores.held_by(options))
     if loaded is not None:
         return LoadedExecutable(loaded, key, components, "memory", time.perf_counter() - start, 0.0)
     cache = stores.persistent_cache(options)
@@ -87,14 +87,14 @@ def load_executable(
             raise CacheMissError(miss_message(name, key, components, cache))
         claim = cache.claim(key) if cache is not None else nullcontext(True)
         with claim:
-            loaded = stores.executables.get(key)
+            loaded = stores.executables.get(key, **stores.held_by(options))
             if loaded is not None:
                 return LoadedExecutable(loaded, key, components, "memory", time.perf_counter() - start, 0.0)
             found = _load_persistent(cache, key, target) if cache is not None else None
             if found is None:
-                return _compile(program, target, name, key, components, cache, start)
+                return _compile(program, target, name, key, components, cache, start, options)
     loaded, entry, tier = found
-    stores.executables.put(key, loaded)
+    stores.executables.put(key, loaded, **stores.held_by(options))
     seconds = time.perf_counter() - start
     saved = max(0.0, entry.compile_seconds - seconds)
     if cache is not None:
@@ -139,11 +139,12 @@ def _compile(
     components: dict[str, Any],
     cache: PersistentCache | None,
     start: float,
+    options: Options,
 ) -> LoadedExecutable:
     compile_start = time.perf_counter()
     loaded = compile_module(program.bytecode(), target, host_ops=components["host_ops"])
     compile_seconds = time.perf_counter() - compile_start
-    stores.executables.put(key, loaded)
+    stores.executables.put(key, loaded, **stores.held_by(options))
     if cache is not None:
         cache.record_miss()
         if log.isEnabledFor(logging.DEBUG):

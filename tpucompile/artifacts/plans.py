@@ -14,7 +14,7 @@ from tpucompile.config import Options
 def load_plan(components: Mapping[str, Any], options: Options) -> tuple[dict[str, Any], str] | None:
     """(plan, tier) stored under ``components``' key (see ``tpucompile.warm_start``), or None."""
     key = cache_key(components)
-    plan = stores.plans.get(key)
+    plan = stores.plans.get(key, **stores.held_by(options))
     if plan is not None:
         return plan, "memory"
     cache = stores.persistent_cache(options)
@@ -31,14 +31,14 @@ def load_plan(components: Mapping[str, Any], options: Options) -> tuple[dict[str
     except Exception as error:
         cache.quarantine(key, f"plan entry does not load: {type(error).__name__}: {error}")
         return None
-    stores.plans.put(key, plan)
+    stores.plans.put(key, plan, **stores.held_by(options))
     cache.record_hit(key, entry.compile_seconds, "plan")
     return plan, tier
 
 
 def store_plan(components: Mapping[str, Any], plan: dict[str, Any], seconds: float, options: Options) -> None:
     """Keep ``plan`` in memory and, when the cache is writable, as a JSON entry (never pickle)."""
-    stores.plans.put(cache_key(components), plan)
+    stores.plans.put(cache_key(components), plan, **stores.held_by(options))
     cache = stores.persistent_cache(options)
     if cache is not None:
         cache.record_miss("plan")

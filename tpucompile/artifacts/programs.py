@@ -69,7 +69,7 @@ def lowered_program(
     seconds = time.perf_counter() - start
     program_sha256 = digest(program.text(debug_info=False))
     program.cache_key = key
-    stores.programs.put(key, (program, program_sha256))
+    stores.programs.put(key, (program, program_sha256), **stores.held_by(options))
     metadata = _program_metadata(program, program_sha256)
     if cache is not None:
         cache.record_miss("program")
@@ -80,7 +80,7 @@ def lowered_program(
 
 def program_from_key(key: str, options: Options) -> tuple[LoweredProgram, str, str] | None:
     """(program, SHA-256 of its text without locations, tier) for a stored program key, or None."""
-    cached = stores.programs.get(key)
+    cached = stores.programs.get(key, **stores.held_by(options))
     if cached is not None:
         return cached[0], cached[1], "memory"
     cache = stores.persistent_cache(options)
@@ -94,7 +94,7 @@ def program_from_key(key: str, options: Options) -> tuple[LoweredProgram, str, s
             raise ValueError(f"entry of kind {entry.kind!r}")
         program = _program_from_entry(entry)
         program.cache_key = key
-        stores.programs.put(key, (program, entry.metadata["program_sha256"]))
+        stores.programs.put(key, (program, entry.metadata["program_sha256"]), **stores.held_by(options))
         cache.record_hit(key, entry.compile_seconds - (time.perf_counter() - start), "program")
         return program, entry.metadata["program_sha256"], tier
     except Exception as error:  # valid bytes, unusable content: never serve it

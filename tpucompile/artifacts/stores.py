@@ -47,6 +47,14 @@ def open_caches() -> list[PersistentCache | None]:
     return list(_caches.values())
 
 
+def held_by(options: Options) -> dict[str, Any]:
+    """Who holds what a model puts in or finds in the memory tiers: its option set, which keeps at most its own
+    ``executable_cache_size`` executables, programs and plans. A torch.compile option belongs to the model it is
+    given for, so one model's small limit never drops another model's entries (models compiled with equal
+    options share one bound)."""
+    return {"group": options, "limit": options.executable_cache_size}
+
+
 def executable_cache() -> MemoryStore[Any]:
     """The process-wide in-memory tier of loaded executables."""
     return executables

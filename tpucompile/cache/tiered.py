@@ -15,6 +15,7 @@ import contextlib
 import logging
 import pathlib
 import threading
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -25,8 +26,13 @@ from tpucompile.cache.keys import component_digests
 from tpucompile.cache.local import LocalStore
 from tpucompile.cache.remote import GuardedRemote
 from tpucompile.config import CACHE_MODES
+from tpucompile.errors import TpuCompileWarning
 
 log = logging.getLogger("tpucompile")
+
+_index_failures_warned: set[tuple[str, str]] = set()
+"""(index operation, error type) of each index failure this process has warned about: a broken or locked
+index fails every call alike, and one warning per kind says as much as one per call."""
 
 
 
@@ -140,7 +146,7 @@ class PersistentCache:
         """Evict the least valuable entries until the local tier holds at most ``max_bytes``."""
         if not self.writable:
             return []
-        with self._suppress():
+        with self._suppress("prune"):
             if self.index.total_size() <= max_bytes:
                 return []
             victims = self.index.victims(max_bytes, keep)
@@ -183,7 +189,7 @@ class PersistentCache:
     # -- introspection --
 
     def nearest(self, kind: str, components: dict[str, Any]) -> tuple[str, list[str]] | None:
-        with self._suppress():
+        with self._suppress("nearest"):
             return self.index.nearest(kind, component_digests(components))
         return None
 
@@ -198,7 +204,7 @@ class PersistentCache:
     # -- helpers --
 
     def _index(self, method: str, *args: Any) -> None:
-        with self._suppress():
+        with self._suppress(method):
             getattr(self.index, method)(*args)
 
     def _count(self, name: str) -> None:
@@ -206,9 +212,18 @@ class PersistentCache:
             self._index("count", name)
 
     @contextlib.contextmanager
-    def _suppress(self) -> Iterator[None]:
-        """The index is advisory: a locked or broken database must not fail a compile."""
+    def _suppress(self, operation: str) -> Iterator[None]:
+        """The index is advisory: a locked or broken database must not fail a compile, but the user is told
+        (once per process per operation and kind of error) that hits, evictions and ``tpucompile cache``
+        statistics are off meanwhile."""
         try:
             yield
         except Exception as error:
-            log.debug("tpucompile: cache index operation failed: %s", error)
+            kind = (operation, type(error).__name__)
+            log.debug("tpucompile: cache index operation %s failed: %s", operation, error)
+            if kind not in _index_failures_warned:
+                _index_failures_warned.add(kind)
+                warnings.warn(f"tpucompile: cache index operation {operation!r} on {self.index.path} failed "
+                              f"({type(error).__name__}: {error}); compiling goes on without it, but eviction and "
+                              "cache statistics may be off (further failures of this kind are not reported)",
+                              TpuCompileWarning, stacklevel=3)

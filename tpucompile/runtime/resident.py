@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from tpucompile.runtime.targets.local import runs_inline
+
 
 class _TensorRef(weakref.ref):
     """A weak reference that knows its entry's key, so that its callback can drop the entry."""
@@ -91,6 +93,4 @@ def resident_buffers(device: Any) -> ResidentBuffers:
 def shares_host_memory(device: Any) -> bool:
     """Whether buffers on ``device`` that alias a tensor's memory can be reused after in-place changes: on the
     CPU, with programs run inline (each call has finished reading its inputs when it returns)."""
-    import jax
-
-    return device.platform == "cpu" and not jax.config.values.get("jax_cpu_enable_async_dispatch", True)
+    return device.platform == "cpu" and runs_inline(device.client)

@@ -215,7 +215,7 @@ class _Result:
         """Remember the device array of each value returned (another program is likely to take it)."""
         layout = hlo_layout(hlo_sharding, self.shape, len(devices))
         self.replicated = _replicated(layout, self.shape)
-        local = {d for d in mesh.devices.flat if d.process_index == jax.process_index()}
+        local = {d for d in mesh.devices.flat if d.process_index == d.client.process_index()}
         seen: set[Index] = set()
         self.pieces: list[tuple[Any, Index]] = []
         for device, index in zip(devices, layout, strict=True):

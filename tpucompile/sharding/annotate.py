@@ -21,14 +21,16 @@ outputs are replicated.
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.fx
 
+from tpucompile.errors import TpuCompileWarning
 from tpucompile.sharding.names import module_outputs
-from tpucompile.sharding.plan import Dims, Mesh, ShardPlan, encode_sharding, shard_annotation, spread_dims
+from tpucompile.sharding.plan import Dims, Mesh, ShardPlan, encode_sharding, format_dims, shard_annotation, spread_dims
 
 
 def annotate_shardings(gm: torch.fx.GraphModule, mesh: Mesh, plan: ShardPlan, processes: int = 1) -> None:
@@ -49,6 +51,8 @@ def annotate_shardings(gm: torch.fx.GraphModule, mesh: Mesh, plan: ShardPlan, pr
         val = placeholder.meta.get("val")
         if not isinstance(val, torch.Tensor):
             continue
+        if not backward and input_index(placeholder.name) is None:
+            _warn_unnamed_input(placeholder.name, bound)
         dims = _placeholder_dims(placeholder.name, bound, val.dim())
         if backward and not _PRIMAL.fullmatch(placeholder.name):
             saved = plan.layouts.get(placeholder.name)
@@ -66,6 +70,8 @@ def annotate_shardings(gm: torch.fx.GraphModule, mesh: Mesh, plan: ShardPlan, pr
         for path, dims in plan.bound_activations:
             for value in outputs_of.get(path, []):
                 if value.meta["val"].dim() != len(dims):
+                    _warn_rank(f"the value {value.name} returned by submodule {path!r}", dims,
+                               value.meta["val"].dim(), "left to XLA's propagation")
                     continue
                 with graph.inserting_after(value):
                     node = graph.call_function(shard_annotation, (value, encode_sharding(mesh.axes, dims)))
@@ -106,7 +112,10 @@ def annotate_shardings(gm: torch.fx.GraphModule, mesh: Mesh, plan: ShardPlan, pr
                 and isinstance(result.meta.get("val"), torch.Tensor)):
             if result not in wrapped:
                 rank = result.meta["val"].dim()
-                dims = dims if dims is not None and len(dims) == rank else ((),) * rank
+                if dims is not None and len(dims) != rank:
+                    _warn_rank(f"output {position} ({result.name})", dims, rank, "returned whole")
+                    dims = None
+                dims = ((),) * rank if dims is None else dims
                 wrapped[result] = _annotated(graph, output, result, dims, mesh)
             result = wrapped[result]
         new_results.append(result)
@@ -186,7 +195,26 @@ def input_index(name: str) -> int | None:
 def _placeholder_dims(name: str, bound: Sequence[Dims | None], rank: int) -> Dims:
     index = input_index(name)
     dims = bound[index] if index is not None and 0 <= index < len(bound) else None
-    if dims is None or len(dims) != rank:
-        return ((),) * rank
-    return dims
+    if dims is not None and len(dims) != rank:
+        _warn_rank(f"graph input {name}", dims, rank, "replicated")
+        dims = None
+    return ((),) * rank if dims is None else dims
+
+
+def _warn_unnamed_input(name: str, bound: Sequence[Dims | None]) -> None:
+    """An input of a forward or inference graph that the plan cannot match to an input of the model (its
+    name is not one AOTAutograd gives them) is replicated; say so when the plan splits any input, since that
+    input may be one of them. Constants lifted to inputs (``lifted_*``) are replicated by design."""
+    if name.startswith("lifted_") or not any(dims and any(dims) for dims in bound):
+        return
+    warnings.warn(f"tpucompile: graph input {name!r} is not named primals_N or argN_1, so the sharding plan "
+                  "cannot tell which model input it is; it is replicated on every device", TpuCompileWarning,
+                  stacklevel=3)
+
+
+def _warn_rank(what: str, dims: Dims, rank: int, outcome: str) -> None:
+    """A layout that names another number of dimensions than the value it is for has is not applied."""
+    warnings.warn(f"tpucompile: the sharding plan lays {what} out as {format_dims(dims)} ({len(dims)} "
+                  f"dimensions), but it has {rank}; the constraint is skipped and it is {outcome}",
+                  TpuCompileWarning, stacklevel=3)
 

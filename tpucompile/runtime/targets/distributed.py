@@ -54,5 +54,6 @@ def process_devices(platform: str | None) -> list[int]:
 
 
 def process_count() -> int:
-    """How many processes share the devices (1 without ``jax.distributed``)."""
-    return jax.process_count()
+    """How many processes share the devices (1 without ``jax.distributed``, found without starting jax's
+    backends)."""
+    return jax.process_count() if jax.distributed.is_initialized() else 1

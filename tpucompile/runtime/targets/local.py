@@ -1,5 +1,6 @@
-"""``Target``, the devices a program is compiled for, and this process's own: a PJRT client from jax and the
-devices one executable uses (one device, or the devices of a mesh)."""
+"""``Target``, the devices a program is compiled for, and this process's own: a PJRT client and the devices one
+executable uses (one device, or the devices of a mesh). The CPU of a single process gets a client of
+tpucompile's own, so that compiling never changes the user's jax settings; other platforms use jax's."""
 
 from __future__ import annotations
 
@@ -72,13 +73,21 @@ def topology(client: object) -> str:
     return text
 
 
-@functools.cache
 def get_target(platform: str | None = None) -> Target:
-    """The first device of ``platform`` (jax's default backend when None)."""
+    """The first device of ``platform`` (jax's default backend when None; CPU on a machine with no TPU chip
+    and no GPU plugin, without starting jax's backends)."""
+    if platform is None:
+        platform = _default_platform()
+    if platform == "cpu" and not _distributed():
+        return _own_cpu_target()
+    return _jax_target(platform)
+
+
+@functools.cache
+def _jax_target(platform: str | None) -> Target:
+    """The first device of jax's own client for ``platform``: accelerators, and the CPU of a run of several
+    processes (``jax.distributed`` joins jax's client to the others)."""
     libtpu.allow_shared_load()
-    if platform in (None, "cpu"):
-        _skip_absent_tpu()
-        _run_cpu_programs_inline()
     try:
         with libtpu.quiet():
             client = jax_backend.get_backend(platform)
@@ -88,37 +97,70 @@ def get_target(platform: str | None = None) -> Target:
     return Target(client=client, devices=(client.local_devices()[0],), host_blas=kernels)
 
 
-def _skip_absent_tpu() -> None:
-    """On a CPU-only machine, start only jax's CPU backend, not libtpu's: with the ``tpu`` extra installed,
-    jax would otherwise load libtpu in every process (memory and start-up time) only to find no chip.
-    Compile-only TPU topologies do not need that backend. Left alone when the user chose jax's platforms,
-    when TPU chips may be present, when a GPU plugin is installed, or once jax has started."""
+_inline_clients: set[int] = set()
+
+
+@functools.cache
+def _own_cpu_target() -> Target:
+    """This process's CPU through a PJRT client of tpucompile's own, not jax's, so that nothing tpucompile
+    needs of it changes the user's jax: jax's CPU client and its settings stay as the user left them, and
+    jax's other backends (libtpu's, which loads about 175 MB and takes a second to find no chip) are not
+    started. Its programs run in the calling thread (``asynchronous=False``): tpucompile hands every result
+    to torch at once, so a dispatch thread buys nothing and costs a thread wake-up per call, which dominates
+    small programs once the worker has gone idle between calls (as it does between steps); inline, the host
+    BLAS also runs on torch's own thread and shares its OpenMP workers instead of starting a second team.
+    The device count follows jax's ``jax_num_cpu_devices`` when set, else ``XLA_FLAGS``'
+    ``--xla_force_host_platform_device_count``, as jax's CPU client does."""
+    import jax
+
+    count = jax.config.values.get("jax_num_cpu_devices", -1)
+    try:
+        client = xla_client.make_cpu_client(asynchronous=False, num_devices=count if count >= 0 else None)
+    except RuntimeError as error:
+        raise OptionsError(f"no PJRT client for the CPU: {error}") from None
+    _inline_clients.add(id(client))
+    return Target(client=client, devices=(client.local_devices()[0],), host_blas=host_kernels())
+
+
+def runs_inline(client: object) -> bool:
+    """Whether ``client``'s programs run in the calling thread (each call has finished reading its inputs when
+    it returns): tpucompile's own CPU client; jax's CPU client only when the user turned off jax's
+    ``jax_cpu_enable_async_dispatch``."""
+    if id(client) in _inline_clients:
+        return True
+    import jax
+
+    return client.platform == "cpu" and not jax.config.values.get("jax_cpu_enable_async_dispatch", True)
+
+
+def _default_platform() -> str | None:
+    """The platform a target of no named platform runs on: jax's default backend once jax has started; the
+    first of the platforms the user chose for jax (None, jax's default, unless it is ``cpu``); ``cpu`` on a
+    machine where jax could find nothing else (no TPU chip, no GPU plugin), found without starting jax;
+    None (jax's default backend, starting it) otherwise."""
     import importlib.util
 
     import jax
     from jax._src import xla_bridge
 
-    if os.environ.get("JAX_PLATFORMS") or jax.config.jax_platforms or xla_bridge.backends_are_initialized():
-        return
-    if libtpu.installed_version() is None or libtpu.has_tpu_chips():
-        return
+    if xla_bridge.backends_are_initialized():
+        return jax.default_backend()
+    chosen = os.environ.get("JAX_PLATFORMS") or jax.config.jax_platforms
+    if chosen:
+        return "cpu" if chosen.split(",")[0].strip() == "cpu" else None
+    if libtpu.installed_version() is not None and libtpu.has_tpu_chips():
+        return None
     if any(importlib.util.find_spec(name) for name in ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin",
                                                        "jax_plugins")):
-        return
-    jax.config.update("jax_platforms", "cpu")
+        return None
+    return "cpu"
 
 
-def _run_cpu_programs_inline() -> None:
-    """Run CPU programs in the calling thread rather than on jax's dispatch thread. tpucompile hands every
-    result to torch at once, so asynchronous dispatch buys nothing and costs a thread wake-up per call, which
-    dominates small programs once the worker has gone idle between calls (as it does between steps). Inline,
-    the host BLAS also runs on torch's own thread and shares its OpenMP workers instead of starting a second
-    team. Left alone once jax's backends have started."""
-    import jax
-    from jax._src import xla_bridge
+def _distributed() -> bool:
+    """Whether this process is one of several joined by ``jax.distributed`` (their CPUs share jax's client)."""
+    from jax._src import distributed
 
-    if not xla_bridge.backends_are_initialized():
-        jax.config.update("jax_cpu_enable_async_dispatch", False)
+    return distributed.global_state.client is not None
 
 
 def get_mesh_target(platform: str | None, size: int, device_ids: tuple[int, ...] | None = None) -> Target:
