@@ -125,6 +125,8 @@ _ACTUAL_EXTENT_OPS = {
     "length-as-value": lambda x: x * torch.full((1,), x.shape[1]),
     "window": lambda x: x[:, :2] * 2,
     "gather": lambda x: x.gather(1, x.argsort(1)[:, :2]),
+    "split": lambda x: torch.cat([p * (i + 1) for i, p in enumerate(x.split([2, x.shape[1] - 2], 1))], 1),
+    "chunk-static-dim": lambda x: torch.stack(x.unsqueeze(2).expand(3, x.shape[1], 4).chunk(2, 2), 0) * 2,
 }
 
 

@@ -364,7 +364,8 @@ class _GraphLowering:
         shape: XLA takes such a slice as runtime-sized (its actual extent, the smaller of the window and what
         is left), which is harmless inside the program but cannot leave it."""
         operand = node.args[0].meta["val"]
-        dim = (node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)) % max(operand.dim(), 1)
+        position = padding_safety.WINDOWS[node.target]
+        dim = (node.args[position] if len(node.args) > position else node.kwargs.get("dim", 0)) % max(operand.dim(), 1)
         if not any(d == dim for d, _ in dynamic_sizes.symbolic_dims(operand, self.runtime)):
             return result
         vals = node.meta["val"] if isinstance(node.meta["val"], (list, tuple)) else [node.meta["val"]]

@@ -127,6 +127,27 @@ _FROM_ACTUAL_END = frozenset({aten.slice.Tensor, aten.select.int, aten.slice_sca
 """Lowerings that count a negative start from the actual end of a padded dimension."""
 
 
+def _constant_splits(node: torch.fx.Node, runtime: frozenset[sympy.Symbol]) -> str | None:
+    """split, split_with_sizes, unbind: exact along a static dimension, and along a runtime-sized one when every
+    piece but the last has a constant size (so every piece starts at a constant, like a slice)."""
+    x = node.args[0].meta["val"]
+    default_dim = 0
+    dim = (node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", default_dim))
+    if node.target in (aten.unbind.int,):
+        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    dim %= max(x.dim(), 1)
+    if dim not in _dynamic_dims(x, runtime):
+        return None
+    if node.target in (aten.unbind.int,):
+        return "it unbinds a padded dimension"
+    sizes = node.args[1]
+    if isinstance(sizes, (list, tuple)) and not all(isinstance(size, int) for size in sizes[:-1]):
+        return "it splits a padded dimension at runtime sizes"
+    if not isinstance(sizes, (list, tuple)) and not isinstance(sizes, int):
+        return "it splits a padded dimension at runtime sizes"
+    return None
+
+
 def _constant_pads(node: torch.fx.Node, runtime: frozenset[sympy.Symbol]) -> str | None:
     """constant_pad_nd: exact with constant pads (its lowering fills from the actual end of a runtime-sized
     dimension; cropping keeps the actual elements first)."""
@@ -139,10 +160,10 @@ def _constant_pads(node: torch.fx.Node, runtime: frozenset[sympy.Symbol]) -> str
     return None
 
 
-WINDOWS = frozenset({aten.slice.Tensor, aten.slice_copy.Tensor, aten.split.Tensor, aten.split_copy.Tensor,
-                     aten.split_with_sizes.default, aten.split_with_sizes_copy.default})
-"""Ops that cut windows out of a dimension (``dim`` their second argument): a window of fixed extent cut from a
-runtime-sized dimension is runtime-sized to XLA (``graph._fixed_windows``)."""
+WINDOWS = {aten.slice.Tensor: 1, aten.slice_copy.Tensor: 1, aten.split.Tensor: 2, aten.split_copy.Tensor: 2,
+           aten.split_with_sizes.default: 2, aten.split_with_sizes_copy.default: 2}
+"""Ops that cut windows out of a dimension (the position of their ``dim`` argument): a window of fixed extent
+cut from a runtime-sized dimension is runtime-sized to XLA (``graph._fixed_windows``)."""
 
 RESHAPES = frozenset({aten.view.default, aten._unsafe_view.default, aten.reshape.default})
 
@@ -233,6 +254,7 @@ _CONDITIONAL: dict[Any, Callable[[torch.fx.Node, frozenset[sympy.Symbol]], str |
     aten.slice: _constant_start(1), aten.select: _constant_start(1), aten.narrow: _constant_start(1),
     aten.slice_scatter: _constant_start(2), aten.select_scatter: _constant_start(2),
     aten.constant_pad_nd: _constant_pads,
+    aten.split: _constant_splits, aten.split_with_sizes: _constant_splits, aten.unbind: _constant_splits,
 }
 
 
@@ -265,7 +287,7 @@ def _runtime_numbers(node: torch.fx.Node, runtime: frozenset[sympy.Symbol]) -> l
 
 
 _SIZE_TAKERS = {aten.view, aten._unsafe_view, aten.reshape, aten.expand, aten.zeros, aten.ones, aten.empty,
-                aten.empty_strided, aten.new_empty, aten.new_zeros, aten.new_ones}
+                aten.empty_strided, aten.new_empty, aten.new_zeros, aten.new_ones, aten.split_with_sizes}
 """Ops that take runtime sizes only as sizes (a bucket's bound gives the padded shape)."""
 
 _DATA_POSITIONS: dict[Any, frozenset[int]] = {
