@@ -8,7 +8,12 @@ Workloads (a 2-layer Llama, ``examples/llama.py``, dim 256, random weights, batc
 - ``sweep15``: forward at 15 lengths from 5 to 127; ``sweep50``: at 50 lengths from 5 to 250;
 - ``train``: forward, backward and an SGD step at 12 lengths from 9 to 200;
 - ``generate``: greedy generation of 64 tokens from an 8-token prompt, the whole sequence run again for every
-  new token (no KV cache), so every step is a new length.
+  new token (no KV cache), so every step is a new length;
+- ``generate-cache``: the same with Hugging Face's ``LlamaForCausalLM`` (same sizes) and its key/value cache:
+  one token per call, the cache growing by one (steady: a decoding step at cache length 100, the cache cut
+  back to 100 after each timed call);
+- ``bert``: Hugging Face's ``BertForMaskedLM`` (dim 256, 2 layers, 8 heads, 704 hidden), forward at the 15
+  lengths of ``sweep15``.
 Each backend starts with Dynamo reset, tpucompile's in-process caches cleared and its persistent cache off, so
 every executable counts as a compile.
 The sequence dimension is marked dynamic from the first call, as ``torch._dynamo.mark_dynamic`` does.
@@ -88,11 +93,63 @@ def _steady_ms(step, length: int) -> float:
     return 1e3 * statistics.median(times)
 
 
+def hf_llama() -> torch.nn.Module:
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=1024, hidden_size=256, num_hidden_layers=2, num_attention_heads=8,
+                                      num_key_value_heads=4, intermediate_size=704, max_position_embeddings=512)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def hf_bert() -> torch.nn.Module:
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=1024, hidden_size=256, num_hidden_layers=2, num_attention_heads=8,
+                                     intermediate_size=704, max_position_embeddings=512)
+    return transformers.BertForMaskedLM(config).eval()
+
+
+def _generate_with_cache(compiled, prompt: torch.Tensor, tokens: int) -> torch.Tensor:
+    out = compiled(input_ids=prompt, use_cache=True)
+    generated = []
+    for _ in range(tokens):
+        token = out.logits[:, -1:].argmax(-1)
+        generated.append(token)
+        out = compiled(input_ids=token, past_key_values=out.past_key_values, use_cache=True)
+    return torch.cat(generated, 1)
+
+
+def _steady_decode_ms(compiled, length: int) -> float:
+    """Median time of one decoding step at cache length ``length`` (the cache cut back after each)."""
+    with torch.no_grad():
+        cache = compiled(input_ids=_tokens(length), use_cache=True).past_key_values
+        token = torch.randint(0, 1024, (BATCH, 1))
+        times = []
+        for attempt in range(33):
+            start = time.perf_counter()
+            compiled(input_ids=token, past_key_values=cache, use_cache=True)
+            if attempt >= 3:
+                times.append(time.perf_counter() - start)
+            cache.crop(-1)  # back to the prompt's length
+    return 1e3 * statistics.median(times)
+
+
 def run(workload: str, backend: str) -> dict:
     torch._dynamo.reset()
     stores.clear_memory()  # no executable of an earlier workload or backend is reused
     stats.reset()
-    net = model()
+    if workload == "generate-cache":
+        compiled = _compiled(hf_llama(), backend)
+        start = time.perf_counter()
+        with torch.no_grad():
+            _generate_with_cache(compiled, torch.randint(0, 1024, (BATCH, 8)), 64)
+        total = time.perf_counter() - start
+        compiles = _compiles(backend)
+        return {"workload": workload, "backend": backend, "total_s": round(total, 2), "compiles": compiles,
+                "steady_ms": round(_steady_decode_ms(compiled, STEADY_LENGTH), 2)}
+    net = hf_bert() if workload == "bert" else model()
     compiled = _compiled(net, backend)
     if workload == "train":
         optimizer = torch.optim.SGD(net.parameters(), lr=1e-3)
@@ -116,7 +173,7 @@ def run(workload: str, backend: str) -> dict:
                 logits = compiled(sequence)[:, -1]
                 sequence = torch.cat([sequence, logits.argmax(-1, keepdim=True)], dim=1)
     else:
-        for length in LENGTHS[workload]:
+        for length in LENGTHS["sweep15" if workload == "bert" else workload]:
             step(_tokens(length))
     total = time.perf_counter() - start
     compiles = _compiles(backend)
@@ -167,7 +224,7 @@ def tpu_costs(target: str) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workloads", default="sweep15,sweep50,train,generate")
+    parser.add_argument("--workloads", default="sweep15,sweep50,train,generate,generate-cache,bert")
     parser.add_argument("--backends", default=",".join(BACKENDS))
     parser.add_argument("--json", help="write the rows to this file")
     parser.add_argument("--tpu-target", default="tpu:v5e:1x1",
