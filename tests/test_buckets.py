@@ -193,6 +193,24 @@ def test_ops_that_read_the_padded_extent_compile_per_size(op, why, caplog, seede
     assert len(_per_size_compiles(caplog)) == 2  # 6 and 7 after 5: the exact path
 
 
+@torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True)
+def test_nonzero_of_a_padded_tensor_compiles_per_size(caplog, seeded):
+    """``nonzero`` counts what it is given, padding included (``x + 1 > 1`` is true in zero padding): its graph
+    compiles per size, with the warning, and its results equal eager's."""
+    caplog.set_level(logging.INFO, logger="tpucompile")
+
+    def op(x):
+        return (x + 1 > 1).nonzero() * 2
+
+    compiled = torch.compile(op, backend="tpucompile", options=BUCKETED)
+    with pytest.warns(TpuCompileWarning, match="once per size, not per bucket: aten.nonzero.*test_buckets.py"):
+        for n in (5, 6, 7):
+            x = torch.randn(3, n)
+            torch._dynamo.mark_dynamic(x, 1)
+            assert torch.equal(compiled(x), op(x))
+    assert not _bucket_compiles(caplog)
+
+
 @pytest.mark.parametrize("mode", ["exact", "bucket"])
 @pytest.mark.parametrize("op", [
     lambda x: x.chunk(2, dim=2),
