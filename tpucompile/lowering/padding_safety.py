@@ -41,9 +41,9 @@ _EXACT: set[Any] = {
     aten.empty_like, aten.scalar_tensor, aten.triu, aten.tril,
     # row lookups: each index picks its row whatever the padding holds
     aten.embedding,
-    # their lowerings count and place by the actual sizes (the rules' ``ctx.extent``): a mean's divisor, a
-    # concatenation's offsets, sort keys that put the padding last
-    aten.mean, aten.var, aten.std, aten.var_mean, aten.cat, aten.sort, aten.topk,
+    # their lowerings count by the actual sizes (``LoweringContext.extent``): a mean's divisor, topk's
+    # padding sorted last; XLA's dynamic padder concatenates and sorts by the actual sizes itself
+    aten.mean, aten.var, aten.std, aten.var_mean, aten.topk, aten.cat, aten.sort,
     # prefix scans: each position combines only the positions before it, and the padding comes after
     aten.cumsum, aten.cumprod, aten.logcumsumexp,
     # XLA's dynamic padder reverses the actual elements only
@@ -131,19 +131,16 @@ def _constant_splits(node: torch.fx.Node, runtime: frozenset[sympy.Symbol]) -> s
     """split, split_with_sizes, unbind: exact along a static dimension, and along a runtime-sized one when every
     piece but the last has a constant size (so every piece starts at a constant, like a slice)."""
     x = node.args[0].meta["val"]
-    default_dim = 0
-    dim = (node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", default_dim))
-    if node.target in (aten.unbind.int,):
-        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
-    dim %= max(x.dim(), 1)
+    unbinds = node.target is aten.unbind.int
+    position = 1 if unbinds else 2
+    dim = (node.args[position] if len(node.args) > position else node.kwargs.get("dim", 0)) % max(x.dim(), 1)
     if dim not in _dynamic_dims(x, runtime):
         return None
-    if node.target in (aten.unbind.int,):
+    if unbinds:
         return "it unbinds a padded dimension"
     sizes = node.args[1]
-    if isinstance(sizes, (list, tuple)) and not all(isinstance(size, int) for size in sizes[:-1]):
-        return "it splits a padded dimension at runtime sizes"
-    if not isinstance(sizes, (list, tuple)) and not isinstance(sizes, int):
+    starts = sizes[:-1] if isinstance(sizes, (list, tuple)) else [sizes]
+    if not all(isinstance(size, int) for size in starts):
         return "it splits a padded dimension at runtime sizes"
     return None
 
@@ -308,7 +305,8 @@ def _runtime_numbers_reason(node: torch.fx.Node, runtime: frozenset[sympy.Symbol
         return None  # arange(end): the end is a size
     if packet in _DATA_POSITIONS:
         data = [expr for position, expr in numbers if position in _DATA_POSITIONS[packet]]
-    elif torch.Tag.pointwise in getattr(node.target, "tags", ()) and lookup_rule(node.target).promote is not None:
+    elif torch.Tag.pointwise in getattr(node.target, "tags", ()) and getattr(lookup_rule(node.target), "promote",
+                                                                            None) is not None:
         data = [expr for _, expr in numbers]
         if any(position is None for position, _ in numbers):
             return "it takes a runtime size as a number in a list or by keyword"
