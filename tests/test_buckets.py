@@ -216,7 +216,8 @@ def test_nonzero_of_a_padded_tensor_compiles_per_size(caplog, seeded):
     lambda x: x.chunk(2, dim=2),
     lambda x: x[:, :1].expand(x.shape[0], 4, 6),
     lambda x: (x.transpose(0, 1), x.unbind(1)),
-], ids=["chunk", "expand", "transpose-unbind"])
+    lambda x: torch.nn.functional.channel_shuffle(x.permute(1, 2, 0).unsqueeze(0), 2),  # a view of a permute
+], ids=["chunk", "expand", "transpose-unbind", "channel-shuffle"])
 def test_outputs_that_view_inputs_keep_their_layout(op, mode, seeded):
     """AOTAutograd remakes such an output from the input with the layout of the tensor the graph returned
     when the view took symbolic sizes; that layout must be the view's (it was a fresh contiguous tensor: the

@@ -92,6 +92,18 @@ def input_views(gm: torch.fx.GraphModule) -> list[InputView]:
     return views
 
 
+def _replay(target: Any, value: torch.Tensor, rest: Sequence[Any], kwargs: Mapping[str, Any]) -> torch.Tensor:
+    """One view op on the actual tensor. A ``view`` that the actual strides cannot express (a decomposition's
+    view after a permute, as in ``channel_shuffle``: the traced tensors had fresh strides) is a ``reshape``,
+    which copies: the output then holds the values eager gives, as a tensor of its own."""
+    try:
+        return target(value, *rest, **kwargs)
+    except RuntimeError:
+        if target not in (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default):
+            raise
+        return torch.ops.aten.reshape.default(value, *rest, **kwargs)
+
+
 def replace_views(outputs: list[Any], views: Sequence[InputView], args: Sequence[Any],
                   values: Mapping[sympy.Symbol, int]) -> list[Any]:
     """``outputs`` with each view of an input remade as that view of the actual argument."""
@@ -104,7 +116,7 @@ def replace_views(outputs: list[Any], views: Sequence[InputView], args: Sequence
                 if target is operator.getitem:
                     value = value[rest[0]]
                 else:
-                    value = target(value, *_concrete(rest, values), **_concrete(kwargs, values))
+                    value = _replay(target, value, _concrete(rest, values), _concrete(kwargs, values))
         except (UnboundedSize, KeyError):
             continue
         outputs[view.output] = value
