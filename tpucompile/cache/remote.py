@@ -4,6 +4,7 @@ Remote stores are a convenience, never a dependency of a compile: every call goe
 which bounds it with a timeout, turns any error into "not there", logs the first failure once, and skips
 the remote for a cool-down period afterwards, so a dead network costs one timeout, not one per graph.
 Writes are create-only (Redis ``SET NX``; for fsspec, a temp object moved into place if none exists).
+Each store also keeps leases (``remote_lease.py``), with which hosts agree on who compiles a key.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
 from tpucompile.cache.keys import is_key
+from tpucompile.cache.remote_lease import FsspecLeases, Holder, RedisLeases
 
 log = logging.getLogger("tpucompile")
 T = TypeVar("T")
@@ -25,10 +27,13 @@ class RemoteStore(Protocol):
     """Bytes by key on some shared service."""
 
     url: str
+    leases: RedisLeases | FsspecLeases
 
     def get(self, key: str) -> bytes | None: ...
 
     def put_if_absent(self, key: str, data: bytes) -> bool: ...
+
+    def contains(self, key: str) -> bool: ...
 
 
 class FsspecStore:
@@ -41,6 +46,7 @@ class FsspecStore:
         self.fs, root = fsspec.core.url_to_fs(url)
         self.root = root.rstrip("/")
         self.timeout = timeout
+        self.leases = FsspecLeases(self.fs, self.root)
 
     def _path(self, key: str) -> str:
         if not is_key(key):
@@ -52,6 +58,9 @@ class FsspecStore:
             return self.fs.cat_file(self._path(key))
         except FileNotFoundError:
             return None
+
+    def contains(self, key: str) -> bool:
+        return bool(self.fs.exists(self._path(key)))
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
         path = self._path(key)
@@ -77,6 +86,7 @@ class RedisStore:
         self.client = redis.Redis.from_url(
             url, socket_timeout=timeout, socket_connect_timeout=timeout, retry_on_timeout=False
         )
+        self.leases = RedisLeases(self.client)
 
     @staticmethod
     def _name(key: str) -> str:
@@ -86,6 +96,9 @@ class RedisStore:
 
     def get(self, key: str) -> bytes | None:
         return self.client.get(self._name(key))
+
+    def contains(self, key: str) -> bool:
+        return bool(self.client.exists(self._name(key)))
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
         return bool(self.client.set(self._name(key), data, nx=True))
@@ -122,6 +135,22 @@ class GuardedRemote:
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
         return bool(self._call("put", lambda store: store.put_if_absent(key, data)))
+
+    def contains(self, key: str) -> bool | None:
+        """Whether an entry for ``key`` is there (unverified); None when the remote did not answer."""
+        return self._call("contains", lambda store: store.contains(key))
+
+    def take_lease(self, key: str, holder: Holder, seconds: float) -> dict[str, Any] | None:
+        """The lease record in force after trying to take ``key``'s lease (``holder``'s own when taken, ``{}``
+        when another's cannot be read); None when the remote did not answer."""
+        return self._call("lease", lambda store: store.leases.take(key, holder, seconds))
+
+    def renew_lease(self, key: str, holder: Holder, seconds: float) -> bool | None:
+        """Whether ``holder`` still held the lease and extended it; None when the remote did not answer."""
+        return self._call("lease renewal", lambda store: store.leases.renew(key, holder, seconds))
+
+    def release_lease(self, key: str, holder: Holder) -> bool | None:
+        return self._call("lease release", lambda store: store.leases.release(key, holder))
 
     def _call(self, what: str, action: Callable[[RemoteStore], T]) -> T | None:
         if not self.available:
