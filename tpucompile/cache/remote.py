@@ -123,6 +123,7 @@ class GuardedRemote:
         self._opener = opener
         self._store: RemoteStore | None = None
         self._down_until = 0.0
+        self._down_since = float("-inf")
         self._logged = False
         self._lock = threading.Lock()
 
@@ -155,10 +156,11 @@ class GuardedRemote:
     def _call(self, what: str, action: Callable[[RemoteStore], T]) -> T | None:
         if not self.available:
             return None
+        started = time.monotonic()
         try:
             store = self._open()  # importing the client library is not the network's time
         except Exception as error:
-            self._failed(what, error)
+            self._failed(what, error, started)
             return None
         outcome: list[Any] = []
 
@@ -174,11 +176,11 @@ class GuardedRemote:
         worker.start()
         worker.join(self.timeout + 0.5)
         if not outcome:
-            self._failed(what, TimeoutError(f"no answer within {self.timeout:g}s"))
+            self._failed(what, TimeoutError(f"no answer within {self.timeout:g}s"), started)
             return None
         ok, value = outcome[0]
         if not ok:
-            self._failed(what, value)
+            self._failed(what, value, started)
             return None
         return value
 
@@ -188,9 +190,15 @@ class GuardedRemote:
                 self._store = self._opener(self.url, self.timeout)
             return self._store
 
-    def _failed(self, what: str, error: BaseException) -> None:
-        self.errors += 1
-        self._down_until = time.monotonic() + self.cooldown
+    def _failed(self, what: str, error: BaseException, started: float) -> None:
+        """Skip the remote for the cool-down. Calls that were in flight together (a lease renewal and a
+        lookup) fail together: only the first to give up counts, as one outage costs one timeout."""
+        with self._lock:
+            if self._down_since >= started:
+                return
+            self._down_since = time.monotonic()
+            self._down_until = self._down_since + self.cooldown
+            self.errors += 1
         if not self._logged:
             self._logged = True
             log.warning(
