@@ -31,7 +31,7 @@ import pytest
 from tests.cache.cache_helpers import start_redis_server
 from tpucompile.cache.fleet import FleetClaims
 from tpucompile.cache.remote import FsspecStore, GuardedRemote
-from tpucompile.cache.remote_lease import FsspecLeases, Holder
+from tpucompile.cache.remote_lease import FsspecLeases, Holder, parse_record
 
 HOSTS = 8
 LEASE = 2.0
@@ -240,6 +240,7 @@ def test_garbage_leases_never_block_for_long(tmp_path, redis_server):
     time.sleep(0.35)
     assert store.leases.take(KEY, holder, 0.3)["token"] == "mine"
     assert (folder / "8").exists() and not (folder / "7").exists()
+    assert parse_record(b'{"token": "x", "expires": Infinity}') is None, "a lease that would never end"
 
 
 @pytest.mark.parametrize("remote", ["redis", "fsspec"])

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import time
 import uuid
 from typing import Any
@@ -53,7 +54,8 @@ def parse_record(data: bytes | str | None) -> dict[str, Any] | None:
         return None
     if not isinstance(record, dict) or not isinstance(record.get("token"), str):
         return None
-    if not isinstance(record.get("expires"), (int, float)) or isinstance(record.get("expires"), bool):
+    expires = record.get("expires")
+    if not isinstance(expires, (int, float)) or isinstance(expires, bool) or not math.isfinite(expires):
         return None
     return record
 
