@@ -7,7 +7,7 @@ per step as soon as it is done (so a host killed later has reported the steps be
 PLAN: ``{"signals": DIR, "steps": [STEP, ...]}``, each STEP ``{"name", "options", "scale", "train", "gate",
 "compile_delay"}``. Before a step with a ``gate``, the host touches ``DIR/at-<gate>-<pid>`` and waits for
 ``DIR/<gate>``, which the test creates when it wants the hosts to go (so that they race, or after it has set
-something up). With ``compile_delay`` every XLA compile of the step first touches
+something up). The host notes when each XLA compile starts; with ``compile_delay`` each first touches
 ``DIR/compiling-<name>-<pid>`` and sleeps that long (a slow compile; a host to kill while it holds a key).
 Each step starts from empty in-process tiers; the persistent ones are the step's ``options``. ``train``
 (default False) runs a training step: two graphs, forward and backward.
@@ -39,15 +39,18 @@ def _wait_at_gate(signals: pathlib.Path, gate: str, timeout: float = 180) -> Non
         time.sleep(0.01)
 
 
-def _slow_compiles(signals: pathlib.Path, name: str, delay: float) -> None:
+def _recorded_compiles(signals: pathlib.Path, name: str, delay: float, started: list[float]) -> None:
+    """Note when each XLA compile of the step starts; with a ``delay``, mark it and sleep first."""
     compile_now = executables.compile_module
 
-    def slow(*args: Any, **kwargs: Any) -> Any:
-        (signals / f"compiling-{name}-{os.getpid()}").touch()
-        time.sleep(delay)
+    def compile_module(*args: Any, **kwargs: Any) -> Any:
+        started.append(time.time())
+        if delay:
+            (signals / f"compiling-{name}-{os.getpid()}").touch()
+            time.sleep(delay)
         return compile_now(*args, **kwargs)
 
-    executables.compile_module = slow
+    executables.compile_module = compile_module
 
 
 def run_step(signals: pathlib.Path, step: dict[str, Any]) -> dict[str, Any]:
@@ -55,10 +58,10 @@ def run_step(signals: pathlib.Path, step: dict[str, Any]) -> dict[str, Any]:
     torch._dynamo.reset()
     compile_stats.reset()
     events: list = []
-    remove = driver.add_observer(lambda event: events.append((time.time(), event)))
+    remove = driver.add_observer(events.append)
     compile_now = executables.compile_module
-    if step.get("compile_delay"):
-        _slow_compiles(signals, step["name"], float(step["compile_delay"]))
+    compiles_started: list[float] = []
+    _recorded_compiles(signals, step["name"], float(step.get("compile_delay", 0)), compiles_started)
     gate = step.get("gate")
     if gate:
         _wait_at_gate(signals, gate)
@@ -74,7 +77,8 @@ def run_step(signals: pathlib.Path, step: dict[str, Any]) -> dict[str, Any]:
         "name": step["name"],
         "ok": ok,
         "seconds": time.monotonic() - start,
-        "events": [{"name": e.name, "key": e.key, "tier": e.tier, "at": at} for at, e in events],
+        "events": [{"name": e.name, "key": e.key, "tier": e.tier} for e in events],
+        "compiles_started": compiles_started,
         "stats": compile_stats.snapshot()["total"],
         "remote": described.get("remote"),
         "fleet": described.get("fleet"),
