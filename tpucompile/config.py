@@ -118,6 +118,14 @@ class Options:
     cache_remote_timeout: int = 3
     """Seconds one remote cache operation may take before the remote tier is skipped for a while."""
 
+    cache_remote_lease: float = 60.0
+    """Seconds a host's claim on a key in the remote tier lasts (renewed every third of it while the host
+    compiles): with ``cache_remote``, one host of a fleet compiles a key and the others load its entry; a
+    host that dies holding a claim delays the others by at most this long."""
+
+    cache_remote_wait: float = 1800.0
+    """Seconds a host waits for another host's compile of a key before compiling it itself."""
+
     mesh: Mesh | None = None
     """Run each graph as one SPMD program over a device mesh (``tpucompile.Mesh({"data": 2, "model": 4})``,
     or ``"data=2,model=4"``); None runs on one device."""
@@ -236,6 +244,10 @@ def _check_type(name: str, value: Any, annotation: str) -> Any:
         value = float(value)
         if name == "activation_memory_budget" and not 0.0 <= value <= 1.0:
             raise OptionsError(f"tpucompile option {name!r} must be between 0 and 1, got {value!r}")
+        if name == "cache_remote_lease" and not value > 0:
+            raise OptionsError(f"tpucompile option {name!r} must be a positive number of seconds, got {value!r}")
+        if name == "cache_remote_wait" and not value >= 0:
+            raise OptionsError(f"tpucompile option {name!r} must be a number of seconds >= 0, got {value!r}")
     if annotation == "str | None" and value is not None and not isinstance(value, str):
         raise OptionsError(f"tpucompile option {name!r} must be a string, got {value!r}")
     if annotation == "int | None" and value is not None and (

@@ -8,8 +8,11 @@ import json
 import os
 import pathlib
 import random
+import shutil
+import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -57,6 +60,37 @@ def finish(process: subprocess.Popen, timeout: float = 180) -> dict[str, Any]:
 
 def run_workload(env: Mapping[str, str], args: Sequence[str] = (), cwd: str | None = None) -> dict[str, Any]:
     return finish(start_workload(env, args, cwd))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_redis_server(folder: pathlib.Path) -> tuple[subprocess.Popen, str] | None:
+    """A throwaway ``redis-server`` on a free local port (no persistence, files under ``folder``) once it
+    accepts connections, and its URL; None when redis-server or redis-py is not installed."""
+    binary = shutil.which("redis-server")
+    try:
+        import redis  # noqa: F401
+    except ImportError:
+        return None
+    if binary is None:
+        return None
+    port = free_port()
+    server = subprocess.Popen(
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+         "--dir", str(folder)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            break
+        except OSError:
+            time.sleep(0.05)
+    return server, f"redis://127.0.0.1:{port}/0"
 
 
 def executable_events(result: Mapping[str, Any]) -> list[dict[str, Any]]:

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import shutil
 import socket
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -31,12 +29,6 @@ def h(x):
 
 def k(x):
     return (x * x).mean(1)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("scheme", ["memory", "file"])
@@ -75,29 +67,6 @@ def test_corrupt_remote_entry_is_ignored(tmp_path):
     reader = PersistentCache(tmp_path / "b", remote=remote)
     assert reader.get(entry.key) is None
     assert not reader.local.contains(entry.key)
-
-
-@pytest.fixture
-def redis_server(tmp_path):
-    binary = shutil.which("redis-server")
-    if binary is None:
-        pytest.skip("redis-server is not installed (apt-get install -y redis-server)")
-    pytest.importorskip("redis", reason="redis-py is not installed (pip install redis)")
-    port = _free_port()
-    server = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-         "--dir", str(tmp_path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            break
-        except OSError:
-            time.sleep(0.05)
-    yield server, f"redis://127.0.0.1:{port}/0"
-    server.kill()
-    server.wait()
 
 
 def test_redis_stopped_mid_run_compiles_continue(tmp_path, monkeypatch, redis_server, caplog):

@@ -14,6 +14,7 @@ import os
 import pathlib
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -28,6 +29,29 @@ def _barrier(folder: str, count: int) -> None:
         time.sleep(0.01)
 
 
+def check_model(scale: int = 1, train: bool = False, options: dict | None = None,
+                before_call: Callable[[], None] | None = None) -> bool:
+    """Compile the workload's model with tpucompile (``options``), run it (a training step with ``train``)
+    and say whether its results match eager PyTorch. ``before_call`` runs after ``torch.compile`` and
+    before the first call, which is when the graphs compile."""
+    torch.manual_seed(0)
+    width = 16 * scale
+    model = torch.nn.Sequential(torch.nn.Linear(width, 32), torch.nn.Tanh(), torch.nn.Linear(32, 8))
+    x = torch.randn(4, width)
+    compiled = torch.compile(model, backend="tpucompile", options=options)
+    if before_call is not None:
+        before_call()
+    if train:
+        loss = compiled(x).pow(2).sum()
+        loss.backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad()
+        model(x).pow(2).sum().backward()
+        return all(torch.allclose(g, p.grad, atol=1e-5) for g, p in zip(grads, model.parameters(), strict=True))
+    with torch.no_grad():
+        return bool(torch.allclose(compiled(x), model(x), atol=1e-5))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--train", action="store_true")
@@ -36,23 +60,8 @@ def main() -> None:
     args = parser.parse_args()
     events = []
     driver.add_observer(events.append)
-    torch.manual_seed(0)
-    width = 16 * args.scale
-    model = torch.nn.Sequential(torch.nn.Linear(width, 32), torch.nn.Tanh(), torch.nn.Linear(32, 8))
-    x = torch.randn(4, width)
-    compiled = torch.compile(model, backend="tpucompile")
-    if args.barrier:
-        _barrier(args.barrier[0], int(args.barrier[1]))
-    if args.train:
-        loss = compiled(x).pow(2).sum()
-        loss.backward()
-        grads = [p.grad.clone() for p in model.parameters()]
-        model.zero_grad()
-        model(x).pow(2).sum().backward()
-        ok = all(torch.allclose(g, p.grad, atol=1e-5) for g, p in zip(grads, model.parameters(), strict=True))
-    else:
-        with torch.no_grad():
-            ok = torch.allclose(compiled(x), model(x), atol=1e-5)
+    barrier = (lambda: _barrier(args.barrier[0], int(args.barrier[1]))) if args.barrier else None
+    ok = check_model(args.scale, args.train, before_call=barrier)
     print(json.dumps({
         "ok": bool(ok),
         "events": [

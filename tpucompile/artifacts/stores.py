@@ -26,7 +26,8 @@ def persistent_cache(options: Options) -> PersistentCache | None:
         return None
     root = options.cache_dir or str(default_root())
     settings = (os.path.abspath(os.path.expanduser(root)), options.cache_mode, options.cache_remote,
-                options.cache_max_size, options.cache_remote_timeout)
+                options.cache_max_size, options.cache_remote_timeout, options.cache_remote_lease,
+                options.cache_remote_wait)
     if settings not in _caches:
         try:
             _caches[settings] = PersistentCache(
@@ -35,6 +36,8 @@ def persistent_cache(options: Options) -> PersistentCache | None:
                 remote=options.cache_remote,
                 max_size=parse_size(options.cache_max_size) if options.cache_max_size else None,
                 remote_timeout=float(options.cache_remote_timeout),
+                remote_lease=options.cache_remote_lease,
+                remote_wait=options.cache_remote_wait,
             )
         except OSError as error:
             log.warning("tpucompile: cannot use the cache directory %s (%s); caching in memory only", root, error)

@@ -3,7 +3,9 @@
 ``get`` looks in the local directory, then the remote (a remote hit is written back locally), verifying
 every entry it reads: a corrupt or mismatched entry is quarantined (local) or ignored (remote), counted,
 and reported as a miss, so it is recompiled and never served. ``put`` publishes create-only to both tiers
-and evicts the least valuable local entries past the size cap. ``claim`` is single-flight per key.
+and evicts the least valuable local entries past the size cap. ``claim`` is single-flight per key: across
+threads and processes through the local directory (``flight.py``), then, with a remote tier, across hosts
+through a lease in the remote store (``fleet.py``).
 
 Modes: ``read-write``; ``read-only`` (never writes: no publish, no index updates); ``strict`` (reads and
 writes like read-write; the caller refuses to compile); ``off`` (no persistent tier at all).
@@ -20,6 +22,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from tpucompile.cache.entry import CorruptEntryError, Entry, decode, encode, read_header
+from tpucompile.cache.fleet import FleetClaims
 from tpucompile.cache.flight import SingleFlight
 from tpucompile.cache.index import Index
 from tpucompile.cache.keys import component_digests
@@ -46,6 +49,8 @@ class PersistentCache:
         remote: str | None = None,
         max_size: int | None = None,
         remote_timeout: float = 3.0,
+        remote_lease: float = 60.0,
+        remote_wait: float = 1800.0,
     ) -> None:
         if mode not in CACHE_MODES:
             raise ValueError(f"cache mode must be one of {', '.join(CACHE_MODES)}, got {mode!r}")
@@ -60,6 +65,8 @@ class PersistentCache:
         self.index = Index(self.local.base / "index.sqlite", read_only=not self.writable)
         self.remote = GuardedRemote(remote, remote_timeout) if remote else None
         self.flight = SingleFlight(self.local.locks if self.writable else None)
+        # Only processes that publish take leases: others would make the fleet wait for nothing.
+        self.fleet = FleetClaims(self.remote, remote_lease, remote_wait) if self.remote and self.writable else None
         self.quarantined = 0
         self._lock = threading.Lock()
 
@@ -182,9 +189,19 @@ class PersistentCache:
 
     @contextlib.contextmanager
     def claim(self, key: str) -> Iterator[bool]:
-        """Single-flight for ``key`` (see ``flight.py``); a no-op lock when the cache cannot be written."""
+        """Single-flight for ``key``: this host's lock (``flight.py``), then the fleet's lease (``fleet.py``)
+        unless the entry arrived meanwhile; a no-op lock when the cache cannot be written. Yields whether
+        this caller holds both; the caller re-checks the cache either way."""
         with self.flight.claim(key, published=lambda: self.local.contains(key)) as held:
-            yield held
+            if self.fleet is None or self.local.contains(key):
+                yield held
+            else:
+                with self.fleet.claim(key, published=lambda: self._published_anywhere(key)) as leased:
+                    yield held and leased
+
+    def _published_anywhere(self, key: str) -> bool:
+        """Whether an entry for ``key`` is in the local or the remote tier (unverified; for waiters)."""
+        return self.local.contains(key) or (self.remote is not None and bool(self.remote.contains(key)))
 
     # -- introspection --
 
@@ -199,6 +216,7 @@ class PersistentCache:
             "mode": self.mode,
             "max_size": self.max_size,
             "remote": self.remote.describe() if self.remote else None,
+            "fleet": self.fleet.describe() if self.fleet else None,
         }
 
     # -- helpers --
