@@ -33,19 +33,19 @@ _EXACT: set[Any] = {
     aten.contiguous, torch.ops.prims.squeeze,
     # reductions and products: the padder gives the padding the reduction's identity
     aten.sum, aten.amax, aten.amin, aten.max, aten.min, aten.argmax, aten.argmin, aten.any, aten.all,
-    aten.prod, aten.logsumexp, aten.mm, aten.bmm, aten.addmm, aten.baddbmm, aten.dot,
+    aten.prod, aten.logsumexp, aten.mm, aten.bmm, aten.addmm, aten.baddbmm, aten.dot, aten.linalg_vector_norm,
     aten._softmax, aten._log_softmax, aten._softmax_backward_data, aten._log_softmax_backward_data,
     # made at the bucket's size and marked with the actual one; iota-based masks count from the start
     aten.arange, aten.full, aten.zeros, aten.ones, aten.empty, aten.empty_strided, aten.new_empty,
     aten.new_zeros, aten.new_ones, aten.new_full, aten.full_like, aten.zeros_like, aten.ones_like,
-    aten.empty_like, aten.scalar_tensor, aten.triu, aten.tril,
+    aten.empty_like, aten.empty_permuted, aten.scalar_tensor, aten.triu, aten.tril,
     # row lookups: each index picks its row whatever the padding holds
     aten.embedding,
     # their lowerings count by the actual sizes (``LoweringContext.extent``): a mean's divisor, topk's
     # padding sorted last; XLA's dynamic padder concatenates and sorts by the actual sizes itself
     aten.mean, aten.var, aten.std, aten.var_mean, aten.topk, aten.cat, aten.sort,
     # prefix scans: each position combines only the positions before it, and the padding comes after
-    aten.cumsum, aten.cumprod, aten.logcumsumexp,
+    aten.cumsum, aten.cumprod, aten.logcumsumexp, aten.cummax, aten.cummin,
     # XLA's dynamic padder reverses the actual elements only
     aten.flip,
     # element-wise scatters: their lowerings send the padding's updates out of range, where XLA drops them
