@@ -11,7 +11,9 @@ naming the op and the user's source line.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import os
+import re
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import sympy
@@ -51,7 +53,8 @@ class ExportGraph:
     weights: dict[str, torch.Tensor]
     output_names: list[str]
     symbols: dict[sympy.Symbol, dict[str, Any]]
-    """Each size symbol: ``min``, ``max`` (None when unbounded) and ``dims`` (``input:dim`` it is the size of)."""
+    """Each size symbol: ``name`` (its ``Dim``'s where known), ``min``, ``max`` (None when unbounded) and
+    ``dims`` (``input:dim`` it is the size of)."""
     program: ExportedProgram
 
 
@@ -63,6 +66,8 @@ def trace(model: torch.nn.Module, example_args: Sequence[Any], dynamic_shapes: A
     program = torch.export.export(model, tuple(example_args), dynamic_shapes=dynamic_shapes)
     program = program.run_decompositions(decomposition_table())
     gm = program.graph_module
+    for node in gm.graph.nodes:
+        _keep_user_frames(node)
     _refuse_unexportable(gm)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     signature = program.graph_signature
@@ -90,7 +95,26 @@ def trace(model: torch.nn.Module, example_args: Sequence[Any], dynamic_shapes: A
     for out in outputs:
         if not isinstance(out, torch.fx.Node) or not isinstance(out.meta.get("val"), torch.Tensor):
             raise UnsupportedOpError(f"output {out} is not a tensor: an exported program returns tensors only")
-    return ExportGraph(gm, inputs, weights, [str(o) for o in outputs], _symbols(program, inputs), program)
+    symbols = _symbols(program, inputs, _dim_names(dynamic_shapes, inputs))
+    return ExportGraph(gm, inputs, weights, [str(o) for o in outputs], symbols, program)
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line \d+, in ')
+
+
+def _keep_user_frames(node: torch.fx.Node) -> None:
+    """Cut the frames inside PyTorch (``nn.Conv2d.forward``, ``F.linear``...) off the end of ``node``'s stack
+    trace, which ``torch.export`` records down to the library, so that messages and the program's locations
+    name the user's line (the call of the module), as they do for graphs from Dynamo."""
+    trace_text = node.meta.get("stack_trace")
+    if not trace_text:
+        return
+    lines = trace_text.rstrip().splitlines()
+    frames = [k for k, line in enumerate(lines) if _FRAME.match(line)]
+    while len(frames) > 1 and _FRAME.match(lines[frames[-1]])["file"].startswith(_TORCH_DIR):
+        lines = lines[:frames.pop()]
+    node.meta["stack_trace"] = "\n".join(lines) + "\n"
 
 
 def _refuse_unexportable(gm: torch.fx.GraphModule) -> None:
@@ -107,7 +131,28 @@ def _refuse_unexportable(gm: torch.fx.GraphModule) -> None:
                                      "and an exported program takes no seed (call model.eval() to drop dropout)")
 
 
-def _symbols(program: ExportedProgram, inputs: list[GraphInput]) -> dict[sympy.Symbol, dict[str, Any]]:
+def _dim_names(dynamic_shapes: Any, inputs: list[GraphInput]) -> dict[sympy.Symbol, str]:
+    """The name of each ``torch.export.Dim`` given for a user input dimension (``dynamic_shapes`` as a sequence
+    with one entry per input: a dict or a sequence of ``Dim``), by the symbol it became."""
+    user = [i for i in inputs if i.kind == "user_input"]
+    if isinstance(dynamic_shapes, Mapping):
+        dynamic_shapes = list(dynamic_shapes.values())
+    if not isinstance(dynamic_shapes, (list, tuple)) or len(dynamic_shapes) != len(user):
+        return {}
+    names: dict[sympy.Symbol, str] = {}
+    for given, spec in zip(user, dynamic_shapes, strict=True):
+        entries = spec.items() if isinstance(spec, Mapping) else enumerate(spec or ())
+        for dim, dim_spec in entries:
+            name = getattr(dim_spec, "__name__", None)
+            size = given.meta.shape[dim] if isinstance(dim, int) and dim < given.meta.dim() else None
+            if isinstance(name, str) and name.isidentifier() and isinstance(size, torch.SymInt) \
+                    and isinstance(size.node.expr, sympy.Symbol):
+                names.setdefault(size.node.expr, name)
+    return names if len(set(names.values())) == len(names) else {}
+
+
+def _symbols(program: ExportedProgram, inputs: list[GraphInput], names: Mapping[sympy.Symbol, str]
+             ) -> dict[sympy.Symbol, dict[str, Any]]:
     """Each size symbol of the user inputs with its range and the input dimensions it is the size of; every
     other dimension must be a polynomial of these (what the manifest can write and a loader evaluate)."""
     user = [i for i in inputs if i.kind == "user_input"]
@@ -124,18 +169,22 @@ def _symbols(program: ExportedProgram, inputs: list[GraphInput]) -> dict[sympy.S
         if not dims:
             raise UnsupportedOpError(f"size {symbol} is not the size of any input dimension; an exported program "
                                      "reads each dynamic size from an input")
-        symbols[symbol] = {"min": low, "max": high, "dims": dims}
+        symbols[symbol] = {"name": names.get(symbol, str(symbol)), "min": low, "max": high, "dims": dims}
     return symbols
 
 
-def dimension(size: Any, symbols: Sequence[sympy.Symbol]) -> int | str:
+def dimension(size: Any, names: Mapping[sympy.Symbol, str]) -> int | str:
     """A dimension as the manifest writes it: an int, or a polynomial with integer coefficients in the size
-    symbols; other expressions are refused (a loader without sympy evaluates these)."""
+    symbols, written with their ``names``; other expressions are refused (a loader without sympy evaluates
+    these)."""
     if not isinstance(size, torch.SymInt):
         return int(size)
     expr = sympy.sympify(size.node.expr)
+    symbols = list(names)
     if not expr.free_symbols <= set(symbols) or not expr.is_polynomial(*symbols) or not all(
             c.is_integer for c in sympy.Poly(expr, *symbols).coeffs()):
         raise UnsupportedOpError(f"size {expr} is not a polynomial of the dynamic sizes "
                                  f"({', '.join(map(str, symbols))}); an exported program cannot describe it")
-    return int(expr) if expr.is_Integer else str(expr)
+    if expr.is_Integer:
+        return int(expr)
+    return str(expr.xreplace({s: sympy.Symbol(n, integer=True, positive=True) for s, n in names.items()}))

@@ -61,8 +61,9 @@ def export(
     sizes = _bucket_sizes(graph, buckets)
     os.makedirs(path, exist_ok=True)
     programs = []
-    for index, bucket in enumerate(serving.bucket_grid({str(s): v for s, v in sizes.items()})):
-        bindings = ShapeBindings({s: bucket[str(s)] for s in symbols}, frozenset(symbols))
+    names = {s: info["name"] for s, info in graph.symbols.items()}
+    for index, bucket in enumerate(serving.bucket_grid({names[s]: v for s, v in sizes.items()})):
+        bindings = ShapeBindings({s: bucket[names[s]] for s in symbols}, frozenset(symbols))
         lowered = lower_graph(graph.gm, bindings)
         if SEED_POSITION in lowered.input_positions:
             raise UnsupportedOpError("cannot export: the program draws random numbers and would need a seed")
@@ -92,12 +93,12 @@ def _bucket_sizes(graph: ExportGraph, buckets: Any) -> dict[sympy.Symbol, list[i
     for symbol, info in graph.symbols.items():
         wanted = buckets
         if isinstance(buckets, Mapping):
-            wanted = next((buckets[k] for k in [str(symbol), *info["dims"]] if k in buckets), None)
+            wanted = next((buckets[k] for k in [info["name"], *info["dims"]] if k in buckets), None)
         low, high = info["min"], info["max"]
         if wanted is None:
             if high is None:
-                raise UnsupportedOpError(f"dynamic size {symbol} ({', '.join(info['dims'])}) has no maximum: give "
-                                         "the Dim a max, or pass buckets=[...] to say which sizes to export")
+                raise UnsupportedOpError(f"dynamic size {info['name']} ({', '.join(info['dims'])}) has no maximum: "
+                                         "give the Dim a max, or pass buckets=[...] to say which sizes to export")
             wanted, size = [], _SMALLEST_BUCKET
             while size < high:
                 wanted.append(size)
@@ -105,7 +106,7 @@ def _bucket_sizes(graph: ExportGraph, buckets: Any) -> dict[sympy.Symbol, list[i
             wanted.append(high)
         kept = sorted({int(b) for b in wanted if int(b) >= max(low, 2) and (high is None or int(b) <= high)})
         if not kept:
-            raise UnsupportedOpError(f"no bucket for dynamic size {symbol} lies in its range {low}..{high}")
+            raise UnsupportedOpError(f"no bucket for dynamic size {info['name']} lies in its range {low}..{high}")
         chosen[symbol] = kept
         if high is None or kept[-1] < high:
             info["max"] = kept[-1]  # the artifact serves nothing larger than its largest bucket
@@ -122,12 +123,13 @@ def _numpy_dtype(dtype: torch.dtype) -> np.dtype:
 
 def _manifest(graph: ExportGraph, lowered: LoweredProgram, programs: list[dict[str, Any]],
               platforms: Sequence[str]) -> dict[str, Any]:
-    symbols = list(graph.symbols)
+    symbols = {s: info["name"] for s, info in graph.symbols.items()}
+    by_text = {str(s): name for s, name in symbols.items()}
     inputs = []
     for position in lowered.input_positions:
         if position >= len(graph.inputs):  # a size argument, after the tensors, in the order of the symbols
-            symbol = lowered.runtime_sizes[position - len(graph.inputs)]
-            inputs.append({"name": symbol, "kind": "size", "symbol": symbol, "shape": [], "dtype": "int32"})
+            name = by_text[lowered.runtime_sizes[position - len(graph.inputs)]]
+            inputs.append({"name": name, "kind": "size", "symbol": name, "shape": [], "dtype": "int32"})
             continue
         given = graph.inputs[position]
         entry = {"name": given.name, "kind": given.kind,
@@ -148,7 +150,8 @@ def _manifest(graph: ExportGraph, lowered: LoweredProgram, programs: list[dict[s
         "weights_file": serving.WEIGHTS,
         "inputs": inputs,
         "outputs": outputs,
-        "symbols": {str(s): info for s, info in graph.symbols.items()},
+        "symbols": {info["name"]: {k: v for k, v in info.items() if k != "name"} | {"symbol": str(s)}
+                    for s, info in graph.symbols.items()},
         "programs": programs,
         "padding": "each user input is padded with zeros at the end of its dynamic dimensions to the sizes of the "
                    "smallest program whose sizes hold the call; the actual sizes follow the tensors as int32 "
