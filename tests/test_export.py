@@ -184,6 +184,17 @@ def test_dynamic_batch_served_at_three_sizes_by_one_program(tmp_path):
         torch.testing.assert_close(got["mean"], want["mean"], atol=1e-6, rtol=1e-5)
 
 
+def test_bfloat16_weights_and_results(tmp_path):
+    torch.manual_seed(2)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.GELU()).to(torch.bfloat16).eval()
+    x = torch.randn(3, 8, dtype=torch.bfloat16)
+    tpucompile.export(model, (x,), tmp_path)
+    got = tpucompile.load(tmp_path)(x)
+    assert got.dtype == torch.bfloat16
+    with torch.no_grad():
+        torch.testing.assert_close(got, model(x), atol=2e-2, rtol=2e-2)
+
+
 class _Upsampled(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.interpolate(x * 2, scale_factor=2, mode="nearest")  # no lowering for the op it becomes

@@ -65,13 +65,12 @@ class ServedProgram:
 
     def __init__(self, path: str | os.PathLike) -> None:
         import jax
-        from safetensors.numpy import load_file
 
         self.path = os.fspath(path)
         self.manifest = read_manifest(path)
         self._wide = any(np.dtype(entry["dtype"]).itemsize == 8
                          for entry in (*self.manifest["inputs"], *self.manifest["outputs"]))
-        stored = load_file(os.path.join(self.path, self.manifest["weights_file"]))
+        stored = read_weights(os.path.join(self.path, self.manifest["weights_file"]))
         with jax.enable_x64(self._wide):
             self._weights = {name: jax.device_put(value) for name, value in stored.items()}
         self.inputs = [entry for entry in self.manifest["inputs"] if entry["kind"] == "user_input"]
@@ -145,6 +144,27 @@ class ServedProgram:
             with open(os.path.join(self.path, file), "rb") as stream:
                 self._programs[file] = jax.export.deserialize(bytearray(stream.read()))
         return self._programs[file]
+
+
+_SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+                       "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+
+
+def read_weights(file: str | os.PathLike) -> dict[str, np.ndarray]:
+    """The tensors of a safetensors file as numpy arrays, bfloat16 included (as ``ml_dtypes.bfloat16``, which
+    ``safetensors.numpy`` does not read)."""
+    import ml_dtypes  # noqa: F401  (makes np.dtype("bfloat16") known)
+    import safetensors
+
+    with open(file, "rb") as stream:
+        entries = safetensors.deserialize(stream.read())
+    arrays = {}
+    for name, entry in entries:
+        if entry["dtype"] not in _SAFETENSORS_DTYPES:
+            raise ServingError(f"weight {name} in {file} has dtype {entry['dtype']}, which this loader does not read")
+        dtype = np.dtype(_SAFETENSORS_DTYPES[entry["dtype"]])
+        arrays[name] = np.frombuffer(entry["data"], dtype=dtype).reshape(entry["shape"])
+    return arrays
 
 
 def _padded(array: np.ndarray, shape: Sequence[int]) -> np.ndarray:

@@ -26,7 +26,7 @@ class LoadedExport:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         flat, _ = torch.utils._pytree.tree_flatten((args, kwargs))
         arrays = [_to_numpy(value) for value in flat]
-        outputs = [torch.from_numpy(np.array(out)) for out in self.served(*arrays)]
+        outputs = [_to_torch(out) for out in self.served(*arrays)]
         if self._out_spec is None:
             return tuple(outputs)
         return torch.utils._pytree.tree_unflatten(outputs, self._out_spec)
@@ -41,6 +41,13 @@ def _to_numpy(value: Any) -> np.ndarray:
 
         return value.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
     return value.numpy()
+
+
+def _to_torch(array: np.ndarray) -> torch.Tensor:
+    array = np.array(array)  # writable, owned by torch from here
+    if array.dtype.name == "bfloat16":
+        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(array)
 
 
 def load(path: str | os.PathLike) -> LoadedExport:
