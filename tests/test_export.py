@@ -184,6 +184,18 @@ def test_dynamic_batch_served_at_three_sizes_by_one_program(tmp_path):
         torch.testing.assert_close(got["mean"], want["mean"], atol=1e-6, rtol=1e-5)
 
 
+def test_interpolation_exports(tmp_path):
+    """``F.interpolate`` exports although the backend's rewrite of it does not apply to torch.export's graph."""
+
+    class Upsampled(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.cat([F.interpolate(x, scale_factor=2, mode=m) for m in ("nearest", "bilinear")], 1)
+
+    x = torch.randn(1, 2, 5, 4)
+    tpucompile.export(Upsampled(), (x,), tmp_path)
+    torch.testing.assert_close(tpucompile.load(tmp_path)(x), Upsampled()(x), atol=1e-6, rtol=1e-6)
+
+
 def test_bfloat16_weights_and_results(tmp_path):
     torch.manual_seed(2)
     model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.GELU()).to(torch.bfloat16).eval()
@@ -195,9 +207,19 @@ def test_bfloat16_weights_and_results(tmp_path):
         torch.testing.assert_close(got, model(x), atol=2e-2, rtol=2e-2)
 
 
-class _Upsampled(torch.nn.Module):
+@torch.library.custom_op("export_test::soft_clip", mutates_args=())
+def _soft_clip(x: torch.Tensor) -> torch.Tensor:
+    return x.clamp(-1, 1)
+
+
+@_soft_clip.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+class _CustomOp(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.interpolate(x * 2, scale_factor=2, mode="nearest")  # no lowering for the op it becomes
+        return _soft_clip(x * 2) + 1  # an op of the user's own, which has no lowering
 
 
 class _Convolved(torch.nn.Module):
@@ -216,9 +238,9 @@ def _line_of(cls: type, text: str) -> str:
 
 def test_unexportable_ops_are_refused_naming_the_op_and_line(tmp_path):
     with pytest.raises(UnsupportedOpError) as refused:
-        tpucompile.export(_Upsampled(), (torch.randn(1, 2, 4, 4),), tmp_path / "up")
-    assert "aten.upsample_nearest2d" in str(refused.value) and "eager PyTorch" in str(refused.value)
-    assert _line_of(_Upsampled, "F.interpolate") in str(refused.value)
+        tpucompile.export(_CustomOp(), (torch.randn(2, 4),), tmp_path / "up")
+    assert "no lowering for export_test.soft_clip" in str(refused.value), refused.value
+    assert "eager PyTorch" in str(refused.value) and _line_of(_CustomOp, "_soft_clip(") in str(refused.value)
     with pytest.raises(UnsupportedOpError) as refused:
         tpucompile.export(_Convolved(), (torch.randn(2, 2, 6, 6),), tmp_path / "conv",
                           dynamic_shapes=({0: torch.export.Dim("batch", max=8)},))
@@ -249,8 +271,8 @@ def test_command_line_exports_what_the_script_describes(tmp_path, capsys):
         np.testing.assert_allclose(served(x)[0], model(torch.from_numpy(x)).numpy(), atol=1e-6)
     assert cli_main(["export", str(script), "--out", str(tmp_path / "x"), "--function", "missing"]) == 10
     refused = tmp_path / "refused.py"
-    refused.write_text("import torch, torch.nn.functional as F\n\nclass M(torch.nn.Module):\n"
-                       "    def forward(self, x):\n        return F.interpolate(x, scale_factor=2)\n\n"
+    refused.write_text("import torch\n\nclass M(torch.nn.Module):\n"
+                       "    def forward(self, x):\n        return torch.ops.export_test.soft_clip(x)\n\n"
                        "def export_model():\n    return M(), (torch.randn(1, 1, 2, 2),)\n")
     assert cli_main(["export", str(refused), "--out", str(tmp_path / "r")]) == 11
     assert f"{refused}:5" in capsys.readouterr().err

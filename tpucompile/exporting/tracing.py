@@ -3,6 +3,9 @@ decomposition table, so that the graph holds the ops the lowering rules know. Pa
 constant tensors are placeholders of the graph, so they become inputs of the exported program and live in the
 weights file rather than inside the program.
 
+``F.interpolate``'s
+overloads are decomposed too (the backend rewrites them in Dynamo's graph instead).
+
 An artifact runs without PyTorch, so what the backend would run eagerly (an op without a lowering) or cut to
 size on the host (an op whose result size depends on the data) cannot be exported: such a graph is refused,
 naming the op and the user's source line.
@@ -19,6 +22,7 @@ from typing import Any
 import sympy
 import torch
 import torch.fx
+from torch._decomp import get_decompositions
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
@@ -64,7 +68,7 @@ def trace(model: torch.nn.Module, example_args: Sequence[Any], dynamic_shapes: A
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"tpucompile.export takes a torch.nn.Module, got {type(model).__name__}")
     program = torch.export.export(model, tuple(example_args), dynamic_shapes=dynamic_shapes)
-    program = program.run_decompositions(decomposition_table())
+    program = program.run_decompositions(export_decompositions())
     gm = program.graph_module
     for node in gm.graph.nodes:
         _keep_user_frames(node)
@@ -99,6 +103,18 @@ def trace(model: torch.nn.Module, example_args: Sequence[Any], dynamic_shapes: A
     return ExportGraph(gm, inputs, weights, [str(o) for o in outputs], symbols, program)
 
 
+def export_decompositions() -> dict[torch._ops.OpOverload, Any]:
+    """The backend's table, plus PyTorch's forms of the ``F.interpolate`` overloads that the backend redirects
+    before AOTAutograd (``frontend.interpolation``), a rewrite of Dynamo's graphs that ``torch.export``'s do
+    not get: index arithmetic and gathers, which serve a forward pass well."""
+    table = dict(decomposition_table())
+    table.update(get_decompositions(_INTERPOLATION))
+    return table
+
+
+_INTERPOLATION = [torch.ops.aten.upsample_nearest1d.vec, torch.ops.aten.upsample_nearest2d.vec,
+                  torch.ops.aten.upsample_nearest3d.vec, torch.ops.aten.upsample_linear1d.vec,
+                  torch.ops.aten.upsample_bilinear2d.vec, torch.ops.aten.upsample_trilinear3d.vec]
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line \d+, in ')
 
