@@ -196,6 +196,22 @@ def test_interpolation_exports(tmp_path):
     torch.testing.assert_close(tpucompile.load(tmp_path)(x), Upsampled()(x), atol=1e-6, rtol=1e-6)
 
 
+def test_linear_algebra_with_error_checks(tmp_path):
+    """``linalg.solve`` carries an effect token for its error check in torch.export's graph; the check is
+    dropped (a program cannot raise) and the solve exported. Ops lowered through jax for one platform keep the
+    program to that platform."""
+
+    class Solve(torch.nn.Module):
+        def forward(self, a: torch.Tensor) -> torch.Tensor:
+            return torch.linalg.solve(a, a.sum(-1, keepdim=True))
+
+    a = torch.randn(3, 3) + 3 * torch.eye(3)
+    tpucompile.export(Solve(), (a,), tmp_path)
+    torch.testing.assert_close(tpucompile.load(tmp_path)(a), Solve()(a), atol=1e-5, rtol=1e-5)
+    with pytest.raises(UnsupportedOpError, match="export once per platform"):
+        tpucompile.export(Solve(), (a,), tmp_path / "both", platforms=("cpu", "cuda"))
+
+
 def test_bfloat16_weights_and_results(tmp_path):
     torch.manual_seed(2)
     model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.GELU()).to(torch.bfloat16).eval()

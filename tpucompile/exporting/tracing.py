@@ -69,6 +69,16 @@ def trace(model: torch.nn.Module, example_args: Sequence[Any], dynamic_shapes: A
         raise TypeError(f"tpucompile.export takes a torch.nn.Module, got {type(model).__name__}")
     program = torch.export.export(model, tuple(example_args), dynamic_shapes=dynamic_shapes)
     program = program.run_decompositions(export_decompositions())
+    if any(spec.kind is InputKind.TOKEN for spec in program.graph_signature.input_specs):
+        # Ordering tokens around ops with effects (the error checks of linalg ops): one program runs its ops in
+        # data order, so the ops are called directly, as the backend's graphs do (``unlift_effect_tokens``).
+        from torch.export._remove_effect_tokens_pass import _remove_effect_tokens
+
+        program = _remove_effect_tokens(program)
+        for node in list(program.graph_module.graph.nodes):
+            if node.target is torch.ops.aten._linalg_check_errors.default and not node.users:
+                program.graph_module.graph.erase_node(node)  # a program cannot raise: dropped, as the backend does
+        program.graph_module.recompile()
     gm = program.graph_module
     for node in gm.graph.nodes:
         _keep_user_frames(node)

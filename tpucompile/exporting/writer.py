@@ -28,7 +28,7 @@ from tpucompile import serving
 from tpucompile.errors import UnsupportedOpError
 from tpucompile.exporting.jax_program import exported_program
 from tpucompile.exporting.tracing import ExportGraph, dimension, trace
-from tpucompile.lowering import ShapeBindings, padding_safety
+from tpucompile.lowering import ShapeBindings, jax_bridge, padding_safety
 from tpucompile.lowering.graph import LoweredProgram, lower_graph
 from tpucompile.lowering.types import NUMPY_DTYPES, TensorSpec
 from tpucompile.runtime.calling_convention import SEED_POSITION
@@ -59,12 +59,16 @@ def export(
             raise UnsupportedOpError(f"cannot export with dynamic sizes: {found[1]}; padding to a bucket would "
                                      "change its result")
     sizes = _bucket_sizes(graph, buckets)
-    os.makedirs(path, exist_ok=True)
+    _clear(path)
     programs = []
     names = {s: info["name"] for s, info in graph.symbols.items()}
     for index, bucket in enumerate(serving.bucket_grid({names[s]: v for s, v in sizes.items()})):
         bindings = ShapeBindings({s: bucket[names[s]] for s in symbols}, frozenset(symbols))
-        lowered = lower_graph(graph.gm, bindings)
+        with jax_bridge.target_platform(platforms[0]):
+            lowered = lower_graph(graph.gm, bindings)
+        if len(platforms) > 1 and jax_bridge.holds_jax_lowerings(lowered.module):
+            raise UnsupportedOpError(f"cannot export for {', '.join(platforms)} at once: the program holds ops "
+                                     "lowered through jax for one platform; export once per platform")
         if SEED_POSITION in lowered.input_positions:
             raise UnsupportedOpError("cannot export: the program draws random numbers and would need a seed")
         exported = exported_program(lowered.bytecode(), [_aval(s) for s in lowered.input_specs],
@@ -85,6 +89,15 @@ def export(
 _SMALLEST_BUCKET = 16
 """Default buckets are powers of two from here (as ``Options.bucket_minimum``), so small sizes share a program.
 No bucket is below 2: XLA cannot broadcast a dimension whose bound is 1 once it is marked runtime-sized."""
+
+
+def _clear(path: str | os.PathLike) -> None:
+    """Make ``path`` a directory without a manifest or programs of an earlier export, which a half-written
+    export must not leave pointing at its files."""
+    os.makedirs(path, exist_ok=True)
+    for name in os.listdir(path):
+        if name == serving.MANIFEST or (name.startswith("program") and name.endswith(".jaxexport")):
+            os.remove(os.path.join(path, name))
 
 
 def _bucket_sizes(graph: ExportGraph, buckets: Any) -> dict[sympy.Symbol, list[int]]:
