@@ -77,9 +77,8 @@ cases = np.load(f"{root}/cases.npz")
 errors = {}
 with open(f"{root}/resnet/program.jaxexport", "rb") as stream:  # the program alone, as jax serves it
     program = jax.export.deserialize(bytearray(stream.read()))
-weights = load_served(f"{root}/resnet")  # for the weights in the manifest's order
-manifest = weights.manifest
-args = [weights._weights[e["weight"]] if e["kind"] == "weight" else cases["image"] for e in manifest["inputs"]]
+resnet = load_served(f"{root}/resnet")  # for its weights, in the manifest's order
+args = [resnet.weights[e["weight"]] if e["kind"] == "weight" else cases["image"] for e in resnet.manifest["inputs"]]
 (logits,) = program.call(*args)
 errors["resnet"] = float(np.abs(np.asarray(logits) - cases["resnet"]).max())
 llama = load_served(f"{root}/llama")

@@ -72,7 +72,8 @@ class ServedProgram:
                          for entry in (*self.manifest["inputs"], *self.manifest["outputs"]))
         stored = read_weights(os.path.join(self.path, self.manifest["weights_file"]))
         with jax.enable_x64(self._wide):
-            self._weights = {name: jax.device_put(value) for name, value in stored.items()}
+            self.weights = {name: jax.device_put(value) for name, value in stored.items()}
+            """Each weight on the device, by its name in the weights file (the manifest's ``weight``)."""
         self.inputs = [entry for entry in self.manifest["inputs"] if entry["kind"] == "user_input"]
         self.symbols = list(self.manifest["symbols"])
         self._programs: dict[str, Any] = {}
@@ -91,7 +92,7 @@ class ServedProgram:
         call_args: list[Any] = []
         for entry in self.manifest["inputs"]:
             if entry["kind"] == "weight":
-                call_args.append(self._weights[entry["weight"]])
+                call_args.append(self.weights[entry["weight"]])
             elif entry["kind"] == "user_input":
                 call_args.append(_padded(next(user), [size_of(d, bucket) for d in entry["shape"]]))
             else:  # the actual value of a size symbol
