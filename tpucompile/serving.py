@@ -21,6 +21,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -51,12 +52,20 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
     return manifest
 
 
+_POLYNOMIAL = re.compile(r"[A-Za-z_0-9+\-* ()]+")
+
+
 def size_of(expression: int | str, sizes: Mapping[str, int]) -> int:
     """A dimension of the manifest at ``sizes``: an int, or a polynomial in the size symbols (``2*s0 + 1``;
     the exporter writes no other kind)."""
     if isinstance(expression, int):
         return expression
-    return int(eval(expression, {"__builtins__": {}}, dict(sizes)))  # a polynomial written by the exporter
+    if not isinstance(expression, str) or not _POLYNOMIAL.fullmatch(expression):
+        raise ServingError(f"dimension {expression!r} of the manifest is not a polynomial of the sizes")
+    try:  # names, digits, + - * and parentheses only: nothing but arithmetic on the sizes can run
+        return int(eval(expression, {"__builtins__": {}}, dict(sizes)))
+    except Exception as error:  # a name the manifest does not define, a call of a number...
+        raise ServingError(f"dimension {expression!r} of the manifest cannot be evaluated: {error}") from None
 
 
 class ServedProgram:

@@ -67,6 +67,8 @@ def trace(model: torch.nn.Module, example_args: Sequence[Any], dynamic_shapes: A
     artifact cannot run (see the module doc)."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"tpucompile.export takes a torch.nn.Module, got {type(model).__name__}")
+    if isinstance(example_args, torch.Tensor):
+        example_args = (example_args,)
     program = torch.export.export(model, tuple(example_args), dynamic_shapes=dynamic_shapes)
     program = program.run_decompositions(export_decompositions())
     if any(spec.kind is InputKind.TOKEN for spec in program.graph_signature.input_specs):
