@@ -1,12 +1,14 @@
 """The pipeline's layering, checked on the source: imports flow one way, top to bottom.
 
-    backend, cli → debug → warm_start → driver → artifacts → frontend → passes → sharding → lowering → cache
-    → runtime
+    backend, cli → exporting → debug → warm_start → driver → artifacts → frontend → passes → sharding → lowering
+    → cache → runtime → serving
 
 A unit (a top-level module or package of ``tpucompile``) may import itself, the units below it, and the leaf
 modules (plain configuration and errors, importable from anywhere). On top of the order: graph rewrites
 (``frontend``, ``passes``) load neither MLIR's lowering nor the runtime, not even indirectly; ``cache`` knows
-bytes and keys, never torch; a lowering rule builds on the shared ``lowering.builder``, never on another rule.
+bytes and keys, never torch; ``serving`` runs exported programs with numpy and jax alone, never torch; a
+lowering rule builds on the shared ``lowering.builder``, never on another rule. The root package's ``export``
+and ``load`` import ``exporting`` when called, never when ``tpucompile`` is imported.
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ import pytest
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "tpucompile"
 ORDER = [
-    "__main__", "backend", "cli", "debug", "warm_start", "driver", "artifacts", "frontend", "passes", "sharding",
-    "lowering", "cache", "runtime",
+    "__main__", "backend", "cli", "exporting", "debug", "warm_start", "driver", "artifacts", "frontend", "passes",
+    "sharding", "lowering", "cache", "runtime", "serving",
 ]
 LEAVES = {
     "tpucompile", "tpucompile.config", "tpucompile.errors", "tpucompile.diagnostics", "tpucompile.targets",
@@ -62,12 +64,31 @@ def _own_imports(module: str) -> list[str]:
     return [name for name in _imports(SOURCES[module]) if name in SOURCES]
 
 
+ROOT_CALLS_INTO = {"tpucompile.exporting", "tpucompile.exporting.writer", "tpucompile.exporting.torch_loader"}
+"""What the root package's functions import when they are called (``tpucompile.export``, ``tpucompile.load``)."""
+
+
+def _module_level_imports(path: pathlib.Path) -> list[str]:
+    """The absolute module names ``path`` imports outside any function."""
+    found = []
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Import):
+            found += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found += [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
+    return found
+
+
+def test_root_package_imports_exporting_only_when_called():
+    assert not set(_module_level_imports(SOURCES["tpucompile"])) & ROOT_CALLS_INTO
+
+
 @pytest.mark.parametrize("module", list(SOURCES))
 def test_imports_flow_down_the_pipeline(module):
     unit = _unit(module)
     for imported in _own_imports(module):
         target = _unit(imported)
-        if imported in LEAVES or target == unit:
+        if imported in LEAVES or target == unit or (module == "tpucompile" and imported in ROOT_CALLS_INTO):
             continue
         assert module not in LEAVES, f"{module} (a leaf module) imports {imported}"
         assert ORDER.index(target) > ORDER.index(unit), f"{module} imports {imported}, which is upstream of it"
@@ -93,6 +114,11 @@ def _closure(module: str) -> set[str]:
 def test_graph_rewrites_load_neither_lowering_nor_runtime(module):
     loaded = sorted(m for m in _closure(module) if _unit(m) in ("lowering", "runtime", "artifacts", "driver"))
     assert not loaded, f"{module} loads {loaded}"
+
+
+def test_serving_does_not_import_torch():
+    imported = [name for name in _imports(SOURCES["tpucompile.serving"]) if name.split(".")[0] == "torch"]
+    assert not imported and all(_unit(m) in ("serving",) or m in LEAVES for m in _own_imports("tpucompile.serving"))
 
 
 def test_cache_does_not_import_torch():

@@ -7,6 +7,10 @@ The backend name is registered through the ``torch_dynamo_backends`` entry point
 
 __version__ = "0.1.0"
 
+import os
+from collections.abc import Sequence
+from typing import Any
+
 from tpucompile import compile_stats
 from tpucompile.config import Options
 from tpucompile.errors import (
@@ -29,6 +33,23 @@ def stats() -> dict:
     ``bucket_hits`` (calls served by the executable of a bucket compiled before)."""
     return compile_stats.snapshot()
 
+
+def export(model: Any, example_args: Sequence[Any], path: str | os.PathLike, dynamic_shapes: Any = None,
+           buckets: Any = None, platforms: Sequence[str] = ("cpu",)) -> dict:
+    """Write ``model`` as a directory a process with jax alone can serve: StableHLO programs in jax.export's
+    serialisation, safetensors weights and ``manifest.json`` (``tpucompile.exporting.writer.export``); returns
+    the manifest. Serve it with ``tpucompile.serving.load_served`` (no torch) or ``tpucompile.load``."""
+    from tpucompile.exporting import writer  # torch is imported only when a model is exported
+
+    return writer.export(model, example_args, path, dynamic_shapes, buckets, platforms)
+
+
+def load(path: str | os.PathLike) -> Any:
+    """The program ``tpucompile.export`` wrote to ``path``, as a callable on torch tensors (weights loaded once)."""
+    from tpucompile.exporting import torch_loader
+
+    return torch_loader.load(path)
+
 __all__ = [
     "CacheMissError",
     "CompileError",
@@ -43,7 +64,9 @@ __all__ = [
     "UnsupportedOpError",
     "__version__",
     "data_parallel",
+    "export",
     "fully_sharded",
+    "load",
     "stats",
     "tensor_parallel",
 ]

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tpucompile.cache.bundle import BundleError
-from tpucompile.cli import cache_commands, dump_hlo, warm
+from tpucompile.cli import cache_commands, dump_hlo, export_command, warm
 from tpucompile.cli.common import Failure, emit
 from tpucompile.cli.dump_hlo import (
     EXIT_NO_SCRIPT,
@@ -31,7 +31,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     script_args: list[str] = []
-    if argv[:1] == ["dump-hlo"] and "--" in argv:  # everything after "--" belongs to the script
+    if argv[:1] in (["dump-hlo"], ["export"]) and "--" in argv:  # everything after "--" belongs to the script
         cut = argv.index("--")
         argv, script_args = argv[:cut], argv[cut + 1:]
     args = parser.parse_args(argv)
@@ -167,4 +167,23 @@ def build_parser() -> argparse.ArgumentParser:
                                   "graph, so that no size up to the largest compiles again")
     warm_parser.add_argument("script")
     warm_parser.add_argument("script_args", nargs=argparse.REMAINDER)
+
+    export_parser = command(
+        commands, "export", export_command.export,
+        "export the model SCRIPT.py describes (its function export_model() returns (model, example_args[,\n"
+        "dynamic_shapes]) or a dict with those keys and buckets) to a directory served without torch:\n"
+        "StableHLO programs in jax.export's serialisation, safetensors weights, manifest.json",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="exit status: 0 ok, 1 other error, 2 bad command line, 3 no such script, 4 the script failed,\n"
+               "  10 no such function (or it returned something else), 11 the model cannot be exported (the\n"
+               "  message names the op and your source line)",
+    )
+    export_parser.add_argument("script")
+    export_parser.add_argument("--out", required=True, metavar="DIR", help="the directory to write")
+    export_parser.add_argument("--function", default="export_model", metavar="NAME",
+                               help="the script's function returning the model and its example inputs "
+                                    "(default export_model)")
+    export_parser.add_argument("--buckets", metavar="SIZES",
+                               help="sizes to make programs for along every dynamic dimension, e.g. 8,32")
+    export_parser.set_defaults(script_args=[])
     return parser
