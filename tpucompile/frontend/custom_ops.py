@@ -7,7 +7,8 @@ autograd kernel still runs above it, so the backward is the op's registered form
 (``register_autograd``), itself traced the same way when it calls custom ops (transformers' grouped matmul
 calls its own backward op); an op without a formula has no backward, as in eager PyTorch.
 
-An implementation that cannot be traced (Python control flow on tensor values, ``.tolist()``, numpy) is found
+An implementation that cannot be traced (Python control flow on tensor values, ``.tolist()``, numpy, a result
+size that depends on the values) is found
 by a dry run on fake tensors of the same shapes, outside the trace, before the real one: the entry then
 declines (``NotImplemented``), the op stays whole in the graph and runs as before (lowered when it has a
 lowering, else in eager PyTorch with the fallback's warning). A failed trace never leaves half an
@@ -30,7 +31,6 @@ from typing import Any
 import torch
 from torch._library.custom_ops import OPDEFS, CustomOpDef
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
-from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.utils._python_dispatch import _disable_current_modes
 
 
@@ -86,7 +86,7 @@ def _traceable(opdef: CustomOpDef, args: tuple[Any, ...], kwargs: dict[str, Any]
 
 
 def _dry_run(opdef: CustomOpDef, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=False)
+    mode = FakeTensorMode(allow_non_fake_inputs=False)  # no shape env: a data-dependent size or value raises
 
     def fake(value: Any) -> Any:
         if isinstance(value, torch.SymInt):
