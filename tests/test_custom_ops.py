@@ -287,3 +287,35 @@ def test_the_program_key_holds_the_digest_of_the_lowering_s_source(registrations
     again_key = compile_with(_jax_shifted_sine)
     assert first_key is not None and first_key != second_key
     assert again_key == first_key
+
+
+def test_register_lowering_refuses_what_it_cannot_lower():
+    import tpucompile.attention_ops  # defines tpucompile::attention
+
+    with pytest.raises(ValueError, match=r"aten::add\.Tensor is not a custom op"):
+        tpucompile.register_lowering(torch.ops.aten.add.Tensor, _jax_sine)
+    with pytest.raises(ValueError, match="tpucompile lowers tpucompile::attention itself"):
+        tpucompile.register_lowering(torch.ops.tpucompile.attention, _jax_sine)
+    with pytest.raises(ValueError, match="platform must be one of"):
+        tpucompile.register_lowering(sine, _jax_sine, platform="gpu")
+    with pytest.raises(TypeError, match="must be a JAX function"):
+        tpucompile.register_lowering(sine, 3)
+    with pytest.raises(TypeError, match="neither source nor code"):
+        tpucompile.register_lowering(sine, len)
+    assert not tpucompile.remove_lowering(sine)  # nothing was registered
+
+
+def test_an_untraceable_op_lowered_only_for_tpus_runs_in_eager_on_the_cpu(registrations):
+    tpucompile.register_lowering(shifted_sine, _jax_shifted_sine, platform="tpu")
+    registrations.append(("tpucompile_custom_test::shifted_sine", "tpu"))
+
+    def fn(x):
+        return shifted_sine(x + 1, 0.5)
+
+    x = torch.randn(3, 4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = torch.compile(fn, backend="tpucompile", options={"fallback": "eager"})(x)
+    assert_close_tree(out, fn(x))
+    assert any("tpucompile runs tpucompile_custom_test.shifted_sine.default in eager PyTorch" in str(w.message)
+               for w in caught)

@@ -24,7 +24,7 @@ from tpucompile.cache import MemoryStore
 from tpucompile.config import Options
 from tpucompile.errors import CompileError, LoweringError, TpuCompileError, TpuCompileWarning, UnsupportedOpError
 from tpucompile.frontend.custom_ops import custom_op_overloads
-from tpucompile.lowering import LoweredProgram, ShapeBindings, custom_ops, is_symbolic, padding_safety
+from tpucompile.lowering import LoweredProgram, ShapeBindings, custom_ops, is_symbolic, jax_bridge, padding_safety
 from tpucompile.lowering.graph import has_data_dependent_size, unsupported_reason
 from tpucompile.lowering.registry import lookup_rule
 from tpucompile.lowering.sharding import program_shardings
@@ -155,6 +155,11 @@ def compile_graph(
     (``nonzero``, ``unique``) are compiled as regions of their own, whose padded results are cut to size on
     the host before the next region sees them.
     """
+    with jax_bridge.target_platform(_target(options).platform):  # which custom ops have a JAX lowering here
+        return _compile_graph(gm, options, name)
+
+
+def _compile_graph(gm: torch.fx.GraphModule, options: Options, name: str) -> Callable[[list[Any]], list[Any]]:
     global _graphs_compiled
     _graphs_compiled += 1
     record_graph(name, "aot_autograd", gm)

@@ -56,7 +56,7 @@ def trace_implementation(name: str, digest: str, *args: Any, **kwargs: Any) -> A
     """The op ``name``'s implementation run on the traced arguments (its ops join the graph), or
     ``NotImplemented`` when a dry run shows it cannot be traced. ``digest`` only identifies the version."""
     opdef = OPDEFS.get(name)
-    if opdef is None or not _traceable(opdef, args, kwargs):
+    if opdef is None or not _traceable(opdef, digest, args, kwargs):
         return NotImplemented
     return _implementation(opdef, args)(*args, **kwargs)
 
@@ -68,17 +68,18 @@ def _implementation(opdef: CustomOpDef, args: tuple[Any, ...]) -> Callable[..., 
     return opdef._backend_fns.get(device) or opdef._init_fn
 
 
-_verdicts: dict[tuple[str, str], bool] = {}
+_verdicts: dict[tuple[str, str, str], bool] = {}
 
 
-def _traceable(opdef: CustomOpDef, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """Whether the implementation runs on fake tensors like ``args`` (memoised per op and argument types).
+def _traceable(opdef: CustomOpDef, digest: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether the implementation runs on fake tensors like ``args`` (memoised per op, version and argument
+    types).
     Run with the tracer's modes off: nothing it does reaches the graph being traced."""
     try:
         signature = repr(torch.utils._pytree.tree_map(_describe, (args, kwargs)))
     except _Unhinted:
         return False
-    key = (opdef._qualname, signature)
+    key = (opdef._qualname, digest, signature)
     if key not in _verdicts:
         with _disable_current_modes(), unset_fake_temporarily():
             _verdicts[key] = _dry_run(opdef, args, kwargs)

@@ -72,8 +72,8 @@ def register_lowering(op: OpLike, fn: Callable[..., Any] | None = None, *, platf
         raise ValueError(f"register_lowering({op_name(op)!r}, ...): platform must be one of {PLATFORMS} or None, "
                          f"got {platform!r}")
     name = op_name(op)
-    if "::" not in name:
-        raise ValueError(f"register_lowering: {op!r} is not a custom op (give torch.ops.mylib.op or 'mylib::op')")
+    if "::" not in name or name.split("::")[0] in ("aten", "prims"):
+        raise ValueError(f"register_lowering: {name} is not a custom op (give torch.ops.mylib.op or 'mylib::op')")
     resolved = _resolved(name)
     if any(lookup_rule(overload) is not None for overload in resolved):
         raise ValueError(f"register_lowering: tpucompile lowers {name} itself")
@@ -119,11 +119,6 @@ def find(op: Any, platform: str) -> JaxLowering | None:
 def lowers(op: Any, platforms: Iterable[str]) -> bool:
     """Whether a registration lowers overload ``op`` on every one of ``platforms``."""
     return all(find(op, platform) is not None for platform in platforms)
-
-
-def registered(op: Any) -> bool:
-    """Whether overload ``op`` has a registration for some platform (it can reach the lowering whole)."""
-    return isinstance(op, torch._ops.OpOverload) and any(find(op, p) is not None for p in PLATFORMS)
 
 
 def key_component(ops: Iterable[Any], platform: str) -> list[list[str]]:
@@ -177,9 +172,8 @@ def _lower_registered(ctx: LoweringContext, *args: Any, **kwargs: Any) -> Any:
     if found is None:
         raise UnsupportedOpError(f"no JAX lowering of {diagnostics.describe_node(node)} is registered for "
                                  f"platform {platform!r}")
-    schema = node.target._schema
-    names = [a.name for a in schema.arguments]
-    positional = list(args) + [kwargs[n] for n in names[len(args):] if n in kwargs]
+    positional = list(args) + [kwargs.get(a.name, a.default_value)
+                               for a in node.target._schema.arguments[len(args):]]
     if any(isinstance(a, (list, tuple)) and any(isinstance(x, ir.Value) for x in a) for a in positional):
         raise UnsupportedOpError(f"the JAX lowering of {found.name} would take a list of tensors, which tpucompile "
                                  f"does not pass to JAX functions: {diagnostics.describe_node(node)}")
@@ -193,7 +187,7 @@ def _lower_registered(ctx: LoweringContext, *args: Any, **kwargs: Any) -> Any:
         result = found.fn(*values)
         return tuple(result) if isinstance(result, list) else result
 
-    x64 = any(spec_of(v).dtype.itemsize == 8 for v in operands)
+    x64 = any(spec_of(v).dtype in (torch.int64, torch.float64) for v in operands)  # else jax's 32-bit defaults
     params = (found.source_digest, found.platform, repr(statics))
     results = jax_bridge.call(f"{found.name}", call, operands, None, params=params, x64=x64)
     _check_against_fake(node, found, [spec_of(r) for r in results], ctx.avals_out)

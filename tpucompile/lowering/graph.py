@@ -28,7 +28,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from tpucompile import diagnostics
 from tpucompile.donation_marks import DONATABLE, SAVED, UPDATED, kind_of
 from tpucompile.errors import LoweringError, TpuCompileError, UnsupportedOpError
-from tpucompile.lowering import builder, custom_ops, dynamic_sizes, padding_safety, sharding, unmerged
+from tpucompile.lowering import builder, custom_ops, dynamic_sizes, jax_bridge, padding_safety, sharding, unmerged
 from tpucompile.lowering.context import mlir_context
 from tpucompile.lowering.registry import LoweringContext, is_random, lookup_rule, size_bound
 from tpucompile.lowering.rng import SEED_SHAPE, RandomStream
@@ -502,9 +502,10 @@ def unsupported_reason(node: torch.fx.Node) -> str | None:
 
 
 def _rule(op: object) -> Any:
-    """tpucompile's rule for ``op``, else the rule of the JAX lowerings registered for custom ops."""
+    """tpucompile's rule for ``op``, else the rule of the JAX lowerings registered for custom ops when one is
+    registered for the platform lowered for (``jax_bridge.target_platform``; the driver sets it)."""
     rule = lookup_rule(op)
-    if rule is None and custom_ops.registered(op):
+    if rule is None and custom_ops.find(op, jax_bridge.current_platform()) is not None:
         return custom_ops.REGISTERED_RULE
     return rule
 
