@@ -319,3 +319,40 @@ def test_an_untraceable_op_lowered_only_for_tpus_runs_in_eager_on_the_cpu(regist
     assert_close_tree(out, fn(x))
     assert any("tpucompile runs tpucompile_custom_test.shifted_sine.default in eager PyTorch" in str(w.message)
                for w in caught)
+
+
+def _plan_components() -> dict:
+    """The key components of a cached plan of a Dynamo graph calling ``shifted_sine``."""
+    import torch._functorch.config  # read by the plan key
+
+    from tpucompile import warm_start
+
+    gm = torch.fx.symbolic_trace(lambda x: torch.ops.tpucompile_custom_test.shifted_sine(x, 0.5))
+    return warm_start.plan_components(gm, [torch.randn(3)], Options.from_sources(None))
+
+
+def test_a_cached_plan_s_key_holds_the_lowering_s_source(registrations):
+    traced = _plan_components()
+    tpucompile.register_lowering(shifted_sine, _jax_shifted_sine)
+    registrations.append(("tpucompile_custom_test::shifted_sine", None))
+    first = _plan_components()
+    tpucompile.register_lowering(shifted_sine, _jax_shifted_sine_again)
+    second = _plan_components()
+    assert traced["jax_lowerings"] == [] and first["decompositions"] != traced["decompositions"]  # kept whole
+    assert first["jax_lowerings"] != second["jax_lowerings"]
+    assert first["decompositions"] == second["decompositions"]
+
+
+def test_a_cached_plan_s_key_holds_the_traced_implementation_s_source(tmp_path):
+    import importlib.util
+
+    digests = []
+    for version, body in enumerate(["torch.cos(x)", "torch.cos(x) * 1"]):
+        path = tmp_path / f"versioned_op_{version}.py"
+        path.write_text("import torch\n\n"
+                        "@torch.library.custom_op('tpucompile_custom_test::versioned', mutates_args=())\n"
+                        f"def versioned(x: torch.Tensor) -> torch.Tensor:\n    return {body}\n")
+        spec = importlib.util.spec_from_file_location(path.stem, path)
+        spec.loader.exec_module(importlib.util.module_from_spec(spec))
+        digests.append(_plan_components()["decompositions"])
+    assert digests[0] != digests[1]
