@@ -87,22 +87,13 @@ def plan_components(
                           torch.is_deterministic_algorithms_warn_only_enabled()],
         "functorch_config": _functorch_settings(),
         "decompositions": _table_digest(decomposition_table(driver.custom_ops_lowered_whole(options))),
-        "jax_lowerings": custom_ops.key_component(_ops(gm), get_target(options.platform).platform),
+        # every one, not only those of this graph's ops: the backward's ops (a custom op's autograd formula may
+        # call another) show only in the ATen graphs, whose programs the plan names by key
+        "jax_lowerings": custom_ops.registrations(get_target(options.platform).platform),
         "options": {k: v if isinstance(v, (bool, int, float, str, type(None))) else repr(v)
                     for k, v in sorted(settings.items())},
         **artifacts.environment(get_target(options.platform)),
     }
-
-
-def _ops(gm: torch.fx.GraphModule) -> set[Any]:
-    """The OpOverloads ``gm`` calls (a Dynamo graph calls a custom op's packet: all its overloads count)."""
-    ops = set()
-    for node in gm.graph.nodes:
-        if isinstance(node.target, torch._ops.OpOverload):
-            ops.add(node.target)
-        elif isinstance(node.target, torch._ops.OpOverloadPacket):
-            ops.update(getattr(node.target, name) for name in node.target.overloads())
-    return ops
 
 
 def _functorch_settings() -> dict[str, Any]:

@@ -132,6 +132,12 @@ def key_component(ops: Iterable[Any], platform: str) -> list[list[str]]:
     return [[name, str(p), digest] for (name, p), digest in sorted(used.items(), key=lambda item: str(item[0]))]
 
 
+def registrations(platform: str) -> list[list[str]]:
+    """``key_component`` of every registration that applies on ``platform``, whatever op it lowers."""
+    return [[r.name, str(r.platform), r.source_digest]
+            for (_, p), r in sorted(_LOWERINGS.items(), key=lambda item: str(item[0])) if p in (platform, None)]
+
+
 def source_digest(fn: Callable[..., Any]) -> str:
     """SHA-256 of ``fn``'s source (of its code object where Python has no source for it, as for a function
     typed in a console); a ``functools.partial`` adds its bound arguments."""
