@@ -60,6 +60,16 @@ def _(x):
     return torch.empty_like(x)
 
 
+@torch.library.custom_op("tpucompile_custom_test::misdeclared", mutates_args=())
+def misdeclared(x: torch.Tensor) -> torch.Tensor:
+    return x.double() * 2  # not what its fake implementation says: traced, the graph would be wrong
+
+
+@misdeclared.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
 @torch.library.custom_op("tpucompile_custom_test::shifted_sine", mutates_args=())
 def shifted_sine(x: torch.Tensor, shift: float) -> torch.Tensor:
     return torch.from_numpy(__import__("numpy").sin(x.numpy() + shift))  # only a JAX lowering compiles it
@@ -191,7 +201,7 @@ def test_a_traceable_implementation_compiles_with_its_registered_backward(events
 
 def test_an_implementation_that_cannot_be_traced_runs_in_eager_with_the_warning():
     def fn(x):
-        return host_cube(x + 1) * 2
+        return host_cube(x + 1) * 2, misdeclared(x)  # the latter's eager result goes straight out
 
     x = torch.randn(3, 4)
     with warnings.catch_warnings(record=True) as caught:
@@ -199,8 +209,9 @@ def test_an_implementation_that_cannot_be_traced_runs_in_eager_with_the_warning(
         out = torch.compile(fn, backend="tpucompile", options={"fallback": "eager"})(x)
     assert_close_tree(out, fn(x))
     messages = [str(w.message) for w in caught]
-    assert any("tpucompile runs tpucompile_custom_test.host_cube.default in eager PyTorch: no lowering for" in m
-               for m in messages), messages
+    for op in ("host_cube", "misdeclared"):
+        assert any(f"tpucompile runs tpucompile_custom_test.{op}.default in eager PyTorch: no lowering for" in m
+                   for m in messages), messages
 
 
 def test_a_registered_jax_lowering_compiles_the_op(registrations, events):

@@ -8,11 +8,11 @@ autograd kernel still runs above it, so the backward is the op's registered form
 calls its own backward op); an op without a formula has no backward, as in eager PyTorch.
 
 An implementation that cannot be traced (Python control flow on tensor values, ``.tolist()``, numpy, a result
-size that depends on the values) is found
-by a dry run on fake tensors of the same shapes, outside the trace, before the real one: the entry then
-declines (``NotImplemented``), the op stays whole in the graph and runs as before (lowered when it has a
-lowering, else in eager PyTorch with the fallback's warning). A failed trace never leaves half an
-implementation, or the symbols of a data-dependent size, in the real graph.
+size that depends on the values), or whose results differ in shape or dtype from the op's fake
+implementation, is found by a dry run on fake tensors of the same shapes, outside the trace, before the real
+one: the entry then declines (``NotImplemented``), the op stays whole in the graph and runs as before (lowered
+when it has a lowering, else in eager PyTorch with the fallback's warning). A failed trace never leaves half
+an implementation, or the symbols of a data-dependent size, in the real graph.
 
 Which ops keep whole is the caller's choice (``lowered``): those with a lowering rule (``tpucompile::attention``)
 or a JAX lowering for every platform of the compile. Each entry names the implementation's source digest, so
@@ -54,7 +54,8 @@ def traced_implementations(ops: Iterable[tuple[str, str]]) -> dict[torch._ops.Op
 
 def trace_implementation(name: str, digest: str, *args: Any, **kwargs: Any) -> Any:
     """The op ``name``'s implementation run on the traced arguments (its ops join the graph), or
-    ``NotImplemented`` when a dry run shows it cannot be traced. ``digest`` only identifies the version."""
+    ``NotImplemented`` when a dry run shows it cannot be traced. ``digest`` identifies the implementation's
+    version (in the table's identity, and in the memo of dry runs)."""
     opdef = OPDEFS.get(name)
     if opdef is None or not _traceable(opdef, digest, args, kwargs):
         return NotImplemented
@@ -73,8 +74,7 @@ _verdicts: dict[tuple[str, str, str], bool] = {}
 
 def _traceable(opdef: CustomOpDef, digest: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     """Whether the implementation runs on fake tensors like ``args`` (memoised per op, version and argument
-    types).
-    Run with the tracer's modes off: nothing it does reaches the graph being traced."""
+    types). Run with the tracer's modes off: nothing it does reaches the graph being traced."""
     try:
         signature = repr(torch.utils._pytree.tree_map(_describe, (args, kwargs)))
     except _Unhinted:
@@ -101,10 +101,16 @@ def _dry_run(opdef: CustomOpDef, args: tuple[Any, ...], kwargs: dict[str, Any]) 
     fake_args, fake_kwargs = torch.utils._pytree.tree_map(fake, (args, kwargs))
     try:
         with mode, torch.no_grad():
-            _implementation(opdef, fake_args)(*fake_args, **fake_kwargs)
+            traced = _implementation(opdef, fake_args)(*fake_args, **fake_kwargs)
+            promised = opdef._opoverload(*fake_args, **fake_kwargs)  # the fake implementation's results
     except Exception:
         return False
-    return True
+    return _types(traced) == _types(promised)
+
+
+def _types(value: Any) -> Any:
+    return torch.utils._pytree.tree_map(
+        lambda v: (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else type(v).__name__, value)
 
 
 class _Unhinted(Exception):
@@ -133,14 +139,15 @@ _digests: dict[Callable[..., Any], str] = {}
 
 
 def _implementation_digest(opdef: CustomOpDef) -> str:
-    """SHA-256 of the implementation's source (its code object where there is no source), memoised per
-    function object (a redefinition is a new object)."""
-    fn = opdef._init_fn
-    if fn not in _digests:
-        try:
-            text = inspect.getsource(fn).encode()
-        except (OSError, TypeError):
-            code = getattr(fn, "__code__", None)
-            text = marshal.dumps(code) if code is not None else repr(fn).encode()
-        _digests[fn] = hashlib.sha256(text).hexdigest()[:16]
-    return _digests[fn]
+    """SHA-256 of the implementation's source (its code object where there is no source), and of each kernel
+    registered per device type, memoised per function object (a redefinition is a new object)."""
+    functions = [opdef._init_fn, *(fn for _, fn in sorted(opdef._backend_fns.items(), key=lambda i: str(i[0])))]
+    for fn in functions:
+        if fn not in _digests:
+            try:
+                text = inspect.getsource(fn).encode()
+            except (OSError, TypeError):
+                code = getattr(fn, "__code__", None)
+                text = marshal.dumps(code) if code is not None else repr(fn).encode()
+            _digests[fn] = hashlib.sha256(text).hexdigest()[:16]
+    return "-".join(_digests[fn] for fn in functions)
