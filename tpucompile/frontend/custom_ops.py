@@ -148,6 +148,7 @@ def _implementation_digest(opdef: CustomOpDef) -> str:
                 text = inspect.getsource(fn).encode()
             except (OSError, TypeError):
                 code = getattr(fn, "__code__", None)
-                text = marshal.dumps(code) if code is not None else repr(fn).encode()
+                name = f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', type(fn).__name__)}"
+                text = marshal.dumps(code) if code is not None else name.encode()  # never an address
             _digests[fn] = hashlib.sha256(text).hexdigest()[:16]
     return "-".join(_digests[fn] for fn in functions)
