@@ -25,6 +25,18 @@ from tpucompile.errors import (
 )
 from tpucompile.sharding.plan import Mesh, ShardPlan, data_parallel, fully_sharded, tensor_parallel
 
+_LOWERING_API = ("register_lowering", "remove_lowering")
+
+
+def __getattr__(name: str) -> object:
+    """``register_lowering`` and ``remove_lowering`` (``tpucompile.lowering.custom_ops``), loaded on first use:
+    importing tpucompile stays light (the backend is found through its entry point, without MLIR)."""
+    if name in _LOWERING_API:
+        import importlib
+
+        return getattr(importlib.import_module("tpucompile.lowering.custom_ops"), name)
+    raise AttributeError(f"module 'tpucompile' has no attribute {name!r}")
+
 
 def stats() -> dict:
     """What this process compiled and reused, in total and per graph (by the name its logs use):
@@ -67,6 +79,8 @@ __all__ = [
     "export",
     "fully_sharded",
     "load",
+    "register_lowering",
+    "remove_lowering",
     "stats",
     "tensor_parallel",
 ]

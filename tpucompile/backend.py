@@ -24,7 +24,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from tpucompile import warm_start
 from tpucompile.config import Options
 from tpucompile.debug import recorder as dump
-from tpucompile.driver import compile_graph, record_graph
+from tpucompile.driver import compile_graph, custom_ops_lowered_whole, record_graph
 from tpucompile.errors import OptionsError
 from tpucompile.frontend import (
     KINDS_KEY,
@@ -86,7 +86,7 @@ def tpucompile_backend(
             fw_compiler=compiler("forward"),
             bw_compiler=compiler("backward"),
             inference_compiler=compiler("inference"),
-            decompositions=decomposition_table(),
+            decompositions=decomposition_table(custom_ops_lowered_whole(config)),
             partition_fn=min_cut_rematerialization_partition,
         )(gm, example_inputs))
     return compiled if recorder is None else recorder.take_over(compiled)

@@ -18,13 +18,15 @@ from typing import Any
 import torch
 import torch.fx
 
-from tpucompile import artifacts, diagnostics
+from tpucompile import artifacts, diagnostics, targets
 from tpucompile import compile_stats as stats
 from tpucompile.cache import MemoryStore
 from tpucompile.config import Options
 from tpucompile.errors import CompileError, LoweringError, TpuCompileError, TpuCompileWarning, UnsupportedOpError
-from tpucompile.lowering import LoweredProgram, ShapeBindings, is_symbolic, padding_safety
+from tpucompile.frontend.custom_ops import custom_op_overloads
+from tpucompile.lowering import LoweredProgram, ShapeBindings, custom_ops, is_symbolic, jax_bridge, padding_safety
 from tpucompile.lowering.graph import has_data_dependent_size, unsupported_reason
+from tpucompile.lowering.registry import lookup_rule
 from tpucompile.lowering.sharding import program_shardings
 from tpucompile.passes import isolate_node, partition_supported, run_passes
 from tpucompile.runtime import (
@@ -153,6 +155,11 @@ def compile_graph(
     (``nonzero``, ``unique``) are compiled as regions of their own, whose padded results are cut to size on
     the host before the next region sees them.
     """
+    with jax_bridge.target_platform(_target(options).platform):  # which custom ops have a JAX lowering here
+        return _compile_graph(gm, options, name)
+
+
+def _compile_graph(gm: torch.fx.GraphModule, options: Options, name: str) -> Callable[[list[Any]], list[Any]]:
     global _graphs_compiled
     _graphs_compiled += 1
     record_graph(name, "aot_autograd", gm)
@@ -356,6 +363,24 @@ def load_compiled_graph(program_key: str, options: Options, name: str) -> GraphE
     loaded = artifacts.load_executable(program, program_sha256, target, options, name)
     _notify(name, None, program, program_tier, loaded)
     return _executable(program, loaded, target, [])
+
+
+def custom_ops_lowered_whole(options: Options) -> frozenset[str]:
+    """The custom ops (``torch.library.custom_op``) that reach the lowering whole in a compile with
+    ``options``: those with a lowering rule of tpucompile's, and those whose registered JAX lowerings cover
+    every platform the compile lowers for. AOTAutograd traces the others through their implementations."""
+    platforms = lowering_platforms(options)
+    return frozenset(name for name, op in custom_op_overloads().items()
+                     if lookup_rule(op) is not None or custom_ops.lowers(op, platforms))
+
+
+def lowering_platforms(options: Options) -> frozenset[str]:
+    """The platforms a compile with ``options`` lowers its graphs for: its compile-only targets' and, unless
+    the compile is only for them, this process's own."""
+    platforms = {targets.parse(name).platform for name in options.targets}
+    if not options.compile_only:
+        platforms.add(get_target(options.platform).platform)
+    return frozenset(platforms)
 
 
 def _target(options: Options) -> Any:

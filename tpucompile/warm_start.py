@@ -45,7 +45,7 @@ import torch.fx
 from tpucompile import artifacts, driver
 from tpucompile.config import Options
 from tpucompile.frontend import decomposition_table
-from tpucompile.lowering import ShapeBindings
+from tpucompile.lowering import ShapeBindings, custom_ops
 from tpucompile.runtime import GraphExecutable, get_target
 
 log = logging.getLogger("tpucompile")
@@ -86,7 +86,10 @@ def plan_components(
         "deterministic": [torch.are_deterministic_algorithms_enabled(),
                           torch.is_deterministic_algorithms_warn_only_enabled()],
         "functorch_config": _functorch_settings(),
-        "decompositions": _table_digest(decomposition_table()),
+        "decompositions": _table_digest(decomposition_table(driver.custom_ops_lowered_whole(options))),
+        # every one, not only those of this graph's ops: the backward's ops (a custom op's autograd formula may
+        # call another) show only in the ATen graphs, whose programs the plan names by key
+        "jax_lowerings": custom_ops.registrations(get_target(options.platform).platform),
         "options": {k: v if isinstance(v, (bool, int, float, str, type(None))) else repr(v)
                     for k, v in sorted(settings.items())},
         **artifacts.environment(get_target(options.platform)),

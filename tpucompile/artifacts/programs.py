@@ -1,7 +1,8 @@
 """The program layer: ATen graph → lowered StableHLO, cached so that a hit skips lowering.
 
 Keyed by the graph's canonical encoding (``fingerprint``, which holds the donation marks), the environment,
-the kinds of marked arguments the program donates, and the source locations the program will carry (so a
+the kinds of marked arguments the program donates, the JAX lowerings registered for its custom ops (by the
+digest of each function's source), and the source locations the program will carry (so a
 cached program never shows another file's lines). The entry holds the module's
 bytecode and, as JSON, what else rebuilds the ``LoweredProgram`` (specs, input positions, output plan).
 """
@@ -24,7 +25,7 @@ from tpucompile.artifacts.fingerprint import Uncacheable, encode_graph
 from tpucompile.cache import Entry, cache_key, digest, program_key_components
 from tpucompile.config import Options
 from tpucompile.donation_marks import SAVED_ON_DEVICE, donated_kinds
-from tpucompile.lowering import LoweredProgram, ShapeBindings, TensorSpec, jax_bridge, lower_graph
+from tpucompile.lowering import LoweredProgram, ShapeBindings, TensorSpec, custom_ops, jax_bridge, lower_graph
 from tpucompile.lowering.context import mlir_context
 from tpucompile.runtime import OutputSlot, Target
 
@@ -58,7 +59,9 @@ def lowered_program(
         log.debug("tpucompile: program cache skipped (%s)", why)
         program = lower()
         return program, digest(program.text(debug_info=False)), None
-    components = program_key_components(graph, environment(target), locations, sorted(donate))
+    ops = {node.target for node in gm.graph.nodes if node.op == "call_function"}
+    components = program_key_components(graph, environment(target), locations, sorted(donate),
+                                        custom_ops.key_component(ops, target.platform))
     key = cache_key(components)
     found = program_from_key(key, options)
     if found is not None:

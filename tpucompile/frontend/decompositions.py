@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch._decomp import core_aten_decompositions, get_decompositions
 
+from tpucompile.frontend import custom_ops
+
 aten = torch.ops.aten
 
 _FROM_TORCH = [
@@ -172,17 +174,21 @@ def fused_multiply_add(a: torch.Tensor, b: Any, c: torch.Tensor) -> torch.Tensor
     return a * b + c
 
 
-def decomposition_table() -> dict[torch._ops.OpOverload, Callable]:
+def decomposition_table(lowered_custom_ops: frozenset[str] = frozenset()) -> dict[torch._ops.OpOverload, Callable]:
     """The table handed to AOTAutograd (treat it as read-only). ``prims.fma`` exists only once Dynamo has
     imported Inductor's prims (as it does when it first traces an ``addcmul_`` with a value), so the table
-    is built anew, once, when it appears."""
+    is built anew, once, when it appears. Custom ops (``torch.library.custom_op``) not named in
+    ``lowered_custom_ops`` are traced through their implementations (``custom_ops``); the table is built
+    anew when those ops or their implementations change."""
     fma = getattr(torch.ops.prims, "fma", None)
-    return _table(fma.default if fma is not None else None)
+    return _table(fma.default if fma is not None else None, custom_ops.traced_ops(lowered_custom_ops))
 
 
 @functools.cache
-def _table(fma: torch._ops.OpOverload | None) -> dict[torch._ops.OpOverload, Callable]:
+def _table(fma: torch._ops.OpOverload | None, traced: tuple[tuple[str, str], ...]
+           ) -> dict[torch._ops.OpOverload, Callable]:
     table = dict(core_aten_decompositions())
+    table.update(custom_ops.traced_implementations(traced))
     if fma is not None:
         table[fma] = fused_multiply_add
     table.update(get_decompositions(_FROM_TORCH))

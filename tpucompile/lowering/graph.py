@@ -28,7 +28,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from tpucompile import diagnostics
 from tpucompile.donation_marks import DONATABLE, SAVED, UPDATED, kind_of
 from tpucompile.errors import LoweringError, TpuCompileError, UnsupportedOpError
-from tpucompile.lowering import builder, dynamic_sizes, padding_safety, sharding, unmerged
+from tpucompile.lowering import builder, custom_ops, dynamic_sizes, jax_bridge, padding_safety, sharding, unmerged
 from tpucompile.lowering.context import mlir_context
 from tpucompile.lowering.registry import LoweringContext, is_random, lookup_rule, size_bound
 from tpucompile.lowering.rng import SEED_SHAPE, RandomStream
@@ -309,7 +309,7 @@ class _GraphLowering:
         reason = unsupported_reason(node)
         if reason is not None:
             raise UnsupportedOpError(reason)
-        rule = lookup_rule(node.target)
+        rule = _rule(node.target)
         padded = rule.bound is not None
         symbol = self._bind_data_dependent_size(node, rule.bound) if padded else None
         if self.sizes is not None and self.bindings.unmerged_products:
@@ -496,9 +496,18 @@ def unsupported_reason(node: torch.fx.Node) -> str | None:
         for item in val:
             if isinstance(item, torch.Tensor) and item.dtype not in SUPPORTED_DTYPES:
                 return f"dtype {item.dtype} is not supported: {diagnostics.describe_node(node)}"
-    if lookup_rule(node.target) is None:
+    if _rule(node.target) is None:
         return f"no lowering for {diagnostics.describe_node(node)}"
     return None
+
+
+def _rule(op: object) -> Any:
+    """tpucompile's rule for ``op``, else the rule of the JAX lowerings registered for custom ops when one is
+    registered for the platform lowered for (``jax_bridge.target_platform``; the driver sets it)."""
+    rule = lookup_rule(op)
+    if rule is None and custom_ops.find(op, jax_bridge.current_platform()) is not None:
+        return custom_ops.REGISTERED_RULE
+    return rule
 
 
 def has_data_dependent_size(node: torch.fx.Node) -> bool:

@@ -63,7 +63,7 @@ def call(
     name: str,
     fn: Callable[..., object],
     operands: Sequence[ir.Value],
-    result_specs: Sequence[TensorSpec],
+    result_specs: Sequence[TensorSpec] | None,
     *,
     params: Hashable = (),
     platform: str | None = None,
@@ -72,7 +72,8 @@ def call(
     """``fn(*operands)`` as a call to a private function lowered from jax; returns its results.
 
     ``name`` and ``params`` must determine ``fn`` completely (they key the memo). ``fn`` takes and returns
-    jax arrays (a single array or a tuple); its results must have exactly ``result_specs``. ``x64=False``
+    jax arrays (a single array or a tuple); its results must have exactly ``result_specs`` (None: whatever
+    it returns, for a caller that checks them itself). ``x64=False``
     lowers with jax's 32-bit default types, for functions that take no 64-bit operands and cannot be traced
     with 64-bit indices (Pallas kernels).
     """
@@ -80,7 +81,9 @@ def call(
     text = _lowered_text(key, fn)
     callee = _splice(key, text)
     got = [_spec_of_type(t) for t in callee.type.results]
-    if got != list(result_specs):
+    if result_specs is None:
+        result_specs = got
+    elif got != list(result_specs):
         raise LoweringError(
             f"jax lowering of {name} returned {', '.join(map(str, got))}, "
             f"expected {', '.join(map(str, result_specs))}"

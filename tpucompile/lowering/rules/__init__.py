@@ -12,6 +12,7 @@ from tpucompile.lowering.rules import (  # noqa: F401
     embedding_bag,
     factorizations,
     grid_sample,
+    grouped_mm,
     indexing,
     linalg,
     losses,
