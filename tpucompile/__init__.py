@@ -7,7 +7,9 @@ The backend name is registered through the ``torch_dynamo_backends`` entry point
 
 __version__ = "0.1.0"
 
-from tpucompile import compile_stats
+from typing import Any
+
+from tpucompile import compile_stats, memory_accounting
 from tpucompile.config import Options
 from tpucompile.errors import (
     CacheMissError,
@@ -29,6 +31,34 @@ def stats() -> dict:
     ``bucket_hits`` (calls served by the executable of a bucket compiled before)."""
     return compile_stats.snapshot()
 
+
+def memory_stats(device: Any = None) -> dict[str, Any]:
+    """Device memory tpucompile holds now, its high-water mark, and each compiled graph's program needs.
+
+    ``held``: bytes of the device buffers tpucompile keeps, by use: ``parameters`` and ``inputs`` (arguments
+    imported for a program and kept for its next call: the buffer of each argument slot's last tensor),
+    ``constants`` (large constants a graph passes to its program), ``saved_activations`` (values a training
+    forward computed, kept as device buffers until the backward takes them), ``outputs`` (program results
+    returned as torch tensors, while those tensors live), and their ``total``. ``shared``: the part of each that
+    is a torch tensor's own memory (imports without a copy, the rule on the CPU), which torch counts too;
+    ``own``: the rest, memory the runtime allocated. ``peak``: the high-water marks of ``held`` and ``own``
+    since ``reset_peak_memory_stats()`` (buffers between and around calls; a program's temporaries while it
+    runs are not in them). ``graphs``: per compiled graph, by the name logs use ("graph 0 (forward)"), XLA's
+    analysis of its program in bytes per device: ``arguments``, ``outputs``, ``aliased`` (outputs written over
+    donated arguments), ``temporaries``, ``generated_code``, the largest over its live ``executables``.
+
+    ``device``: None for all devices; a jax device; a name as torch spells it, ``"cpu:0"``, ``"tpu:1"``,
+    ``"cuda:0"`` (jax's ``gpu:0``), or a platform alone (``"cpu"``: its devices together, peaks summed); or an
+    int, the device of that id on the platform tpucompile runs on. Programs over a mesh report their graphs'
+    figures, not their buffers.
+    """
+    return memory_accounting.snapshot(device)
+
+
+def reset_peak_memory_stats(device: Any = None) -> None:
+    """Start ``memory_stats()["peak"]`` again from what is held now (on ``device``, or on all)."""
+    memory_accounting.reset_peak(device)
+
 __all__ = [
     "CacheMissError",
     "CompileError",
@@ -44,6 +74,8 @@ __all__ = [
     "__version__",
     "data_parallel",
     "fully_sharded",
+    "memory_stats",
+    "reset_peak_memory_stats",
     "stats",
     "tensor_parallel",
 ]
