@@ -140,6 +140,24 @@ def test_training_holds_saved_activations_until_the_backward(compiled_graphs):
     assert backward_figures["arguments"] > 0 and backward_figures["outputs"] >= gradients
 
 
+TABLE = [float(i) for i in range(2048)]
+"""A literal larger than the embedding limit (1024 elements): the graph passes it to its program."""
+
+
+def test_a_large_constant_is_held_as_a_constant():
+    def shifted(x):
+        return x + torch.tensor(TABLE)
+
+    x = torch.randn(len(TABLE))
+    before = _held()
+    with torch.no_grad():
+        y = torch.compile(shifted, backend="tpucompile")(x)
+    torch.testing.assert_close(y, shifted(x), rtol=0, atol=0)
+    change = _change(_held(), before)
+    assert change["constants"] == len(TABLE) * FLOAT
+    assert change["inputs"] == x.nbytes and change["outputs"] == y.nbytes
+
+
 def test_device_selection():
     device = jax.devices("cpu")[0]
     by_name = tpucompile.memory_stats("cpu:0")
