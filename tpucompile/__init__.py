@@ -39,18 +39,22 @@ def memory_stats(device: Any = None) -> dict[str, Any]:
     imported for a program and kept for its next call: the buffer of each argument slot's last tensor),
     ``constants`` (large constants a graph passes to its program), ``saved_activations`` (values a training
     forward computed, kept as device buffers until the backward takes them), ``outputs`` (program results
-    returned as torch tensors, while those tensors live), and their ``total``. ``shared``: the part of each that
-    is a torch tensor's own memory (imports without a copy, the rule on the CPU), which torch counts too;
-    ``own``: the rest, memory the runtime allocated. ``peak``: the high-water marks of ``held`` and ``own``
-    since ``reset_peak_memory_stats()`` (buffers between and around calls; a program's temporaries while it
-    runs are not in them). ``graphs``: per compiled graph, by the name logs use ("graph 0 (forward)"), XLA's
-    analysis of its program in bytes per device: ``arguments``, ``outputs``, ``aliased`` (outputs written over
-    donated arguments), ``temporaries``, ``generated_code``, the largest over its live ``executables``.
+    returned as torch tensors, while their memory lives, gradients that ``.grad`` holds included), and their
+    ``total``. ``shared``: the part of each that is a torch tensor's own memory (imports without a copy),
+    which torch counts too; ``own``: the rest, memory the runtime allocated. On the CPU imports share memory
+    (but for misaligned tensors, which are copied): there tpucompile holds parameters, inputs and constants
+    only in that it keeps those tensors alive, and ``own`` is what it added to the process. ``peak``: the
+    high-water marks of ``held`` and ``own`` since ``reset_peak_memory_stats()`` (buffers between and around
+    calls; a program's temporaries while it runs are not in them). ``graphs``: per compiled graph, by the name
+    logs use ("graph 0 (forward)"), XLA's analysis of its program in bytes per device: ``arguments``,
+    ``outputs``, ``aliased`` (outputs written over donated arguments), ``temporaries``, ``generated_code``,
+    the largest over its live ``executables``.
 
     ``device``: None for all devices; a jax device; a name as torch spells it, ``"cpu:0"``, ``"tpu:1"``,
     ``"cuda:0"`` (jax's ``gpu:0``), or a platform alone (``"cpu"``: its devices together, peaks summed); or an
-    int, the device of that id on the platform tpucompile runs on. Programs over a mesh report their graphs'
-    figures, not their buffers.
+    int, the device of that id on the platform tpucompile runs on. The result's ``device`` names the
+    selection (``"all"``, ``"cpu:0"``); a device tpucompile never used holds nothing. Programs over a mesh
+    report their graphs' figures, not their buffers.
     """
     return memory_accounting.snapshot(device)
 
@@ -58,6 +62,7 @@ def memory_stats(device: Any = None) -> dict[str, Any]:
 def reset_peak_memory_stats(device: Any = None) -> None:
     """Start ``memory_stats()["peak"]`` again from what is held now (on ``device``, or on all)."""
     memory_accounting.reset_peak(device)
+
 
 __all__ = [
     "CacheMissError",

@@ -44,26 +44,6 @@ class _Counts:
         self.peak_total = 0
         self.peak_own = 0
 
-    def add(self, use: str, nbytes: int, shared: bool) -> None:
-        self.held[use] += nbytes
-        self.total += nbytes
-        if shared:
-            self.shared[use] += nbytes
-        else:
-            self.own += nbytes
-            if self.own > self.peak_own:
-                self.peak_own = self.own
-        if self.total > self.peak_total:
-            self.peak_total = self.total
-
-    def remove(self, use: str, nbytes: int, shared: bool) -> None:
-        self.held[use] -= nbytes
-        self.total -= nbytes
-        if shared:
-            self.shared[use] -= nbytes
-        else:
-            self.own -= nbytes
-
     def reset_peak(self) -> None:
         self.peak_total = self.total
         self.peak_own = self.own
@@ -84,9 +64,17 @@ _live: dict[int, _Hold] = {}
 
 
 def _died(hold: _Hold) -> None:
-    if _live.get(hold.key) is hold:
-        del _live[hold.key]
-        hold.memory.remove(hold.use, hold.nbytes, hold.shared)
+    if _live.get(hold.key) is not hold:
+        return
+    del _live[hold.key]
+    use, nbytes = hold.use, hold.nbytes
+    for counts in hold.memory.chain:
+        counts.held[use] -= nbytes
+        counts.total -= nbytes
+        if hold.shared:
+            counts.shared[use] -= nbytes
+        else:
+            counts.own -= nbytes
 
 
 class DeviceMemory(_Counts):
@@ -95,24 +83,28 @@ class DeviceMemory(_Counts):
     def __init__(self, name: str) -> None:
         super().__init__()
         self.name = name
-
-    def add(self, use: str, nbytes: int, shared: bool) -> None:
-        super().add(use, nbytes, shared)
-        _ALL.add(use, nbytes, shared)
-
-    def remove(self, use: str, nbytes: int, shared: bool) -> None:
-        super().remove(use, nbytes, shared)
-        _ALL.remove(use, nbytes, shared)
+        self.chain = (self, _ALL)
+        """What a buffer held here counts in: this device, and every device together."""
 
     def hold(self, value: Any, use: str, nbytes: int, shared: bool = False) -> None:
-        """Count ``nbytes`` of ``use`` until ``value`` (a buffer or a tensor, weakly referenced) dies."""
+        """Count ``nbytes`` of ``use`` until ``value`` (a buffer or a storage, weakly referenced) dies."""
         key = id(value)
         if key in _live:
             return
         hold = _Hold(value, _died)
         hold.key, hold.memory, hold.use, hold.nbytes, hold.shared = key, self, use, nbytes, shared
         _live[key] = hold
-        self.add(use, nbytes, shared)
+        for counts in self.chain:  # written out here, not in a method: this runs for every buffer made
+            counts.held[use] += nbytes
+            counts.total += nbytes
+            if shared:
+                counts.shared[use] += nbytes
+            else:
+                counts.own += nbytes
+                if counts.own > counts.peak_own:
+                    counts.peak_own = counts.own
+            if counts.total > counts.peak_total:
+                counts.peak_total = counts.total
 
 
 def release(value: Any) -> None:

@@ -37,6 +37,16 @@ def _change(after: dict, before: dict, part: str = "held") -> dict:
     return {use: after[part][use] - before[part][use] for use in after[part]}
 
 
+@pytest.fixture(autouse=True)
+def collect_only_when_told():
+    """No automatic garbage collection during a test: the counts move only where the test frees something
+    (``_held`` collects), not where an earlier test's garbage happens to go."""
+    gc.collect()
+    gc.disable()
+    yield
+    gc.enable()
+
+
 @pytest.fixture
 def compiled_graphs():
     """The names of the graphs compiled during the test, with their compile events."""
