@@ -26,7 +26,7 @@ CONSTANTS = "constants"
 SAVED_ACTIVATIONS = "saved_activations"
 """Values a forward program computed and the runtime keeps as device buffers until the backward reads them."""
 OUTPUTS = "outputs"
-"""Program results handed to torch as tensors, for as long as those tensor objects live."""
+"""Program results handed to torch as tensors, for as long as their storage lives (whatever tensor holds it)."""
 USES = (PARAMETERS, INPUTS, CONSTANTS, SAVED_ACTIVATIONS, OUTPUTS)
 
 _TORCH_PLATFORMS = {"cuda": "gpu"}
