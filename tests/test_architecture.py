@@ -26,7 +26,7 @@ ORDER = [
 LEAVES = {
     "tpucompile", "tpucompile.config", "tpucompile.errors", "tpucompile.diagnostics", "tpucompile.targets",
     "tpucompile.resize_scale", "tpucompile.sharding.plan", "tpucompile.attention_ops", "tpucompile.donation_marks",
-    "tpucompile.input_uses", "tpucompile.compile_stats",
+    "tpucompile.input_uses", "tpucompile.compile_stats", "tpucompile.memory_accounting",
 }
 """Modules any unit may import: they import only each other (and torch or the standard library)."""
 

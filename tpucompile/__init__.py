@@ -11,7 +11,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from tpucompile import compile_stats
+from tpucompile import compile_stats, memory_accounting
 from tpucompile.config import Options
 from tpucompile.errors import (
     CacheMissError,
@@ -62,6 +62,39 @@ def load(path: str | os.PathLike) -> Any:
 
     return torch_loader.load(path)
 
+
+def memory_stats(device: Any = None) -> dict[str, Any]:
+    """Device memory tpucompile holds now, its high-water mark, and each compiled graph's program needs.
+
+    ``held``: bytes of the device buffers tpucompile keeps, by use: ``parameters`` and ``inputs`` (arguments
+    imported for a program and kept for its next call: the buffer of each argument slot's last tensor),
+    ``constants`` (large constants a graph passes to its program), ``saved_activations`` (values a training
+    forward computed, kept as device buffers until the backward takes them), ``outputs`` (program results
+    returned as torch tensors, while their memory lives, gradients that ``.grad`` holds included), and their
+    ``total``. ``shared``: the part of each that is a torch tensor's own memory (imports without a copy),
+    which torch counts too; ``own``: the rest, memory the runtime allocated. On the CPU imports share memory
+    (but for misaligned tensors, which are copied): there tpucompile holds parameters, inputs and constants
+    only in that it keeps those tensors alive, and ``own`` is what it added to the process. ``peak``: the
+    high-water marks of ``held`` and ``own`` since ``reset_peak_memory_stats()`` (buffers between and around
+    calls; a program's temporaries while it runs are not in them). ``graphs``: per compiled graph, by the name
+    logs use ("graph 0 (forward)"), XLA's analysis of its program in bytes per device: ``arguments``,
+    ``outputs``, ``aliased`` (outputs written over donated arguments), ``temporaries``, ``generated_code``,
+    the largest over its live ``executables``.
+
+    ``device``: None for all devices; a jax device; a name as torch spells it, ``"cpu:0"``, ``"tpu:1"``,
+    ``"cuda:0"`` (jax's ``gpu:0``), or a platform alone (``"cpu"``: its devices together, peaks summed); or an
+    int, the device of that id on the platform tpucompile runs on. The result's ``device`` names the
+    selection (``"all"``, ``"cpu:0"``); a device tpucompile never used holds nothing. Programs over a mesh
+    report their graphs' figures, not their buffers.
+    """
+    return memory_accounting.snapshot(device)
+
+
+def reset_peak_memory_stats(device: Any = None) -> None:
+    """Start ``memory_stats()["peak"]`` again from what is held now (on ``device``, or on all)."""
+    memory_accounting.reset_peak(device)
+
+
 __all__ = [
     "CacheMissError",
     "CompileError",
@@ -79,8 +112,10 @@ __all__ = [
     "export",
     "fully_sharded",
     "load",
+    "memory_stats",
     "register_lowering",
     "remove_lowering",
+    "reset_peak_memory_stats",
     "stats",
     "tensor_parallel",
 ]

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from tpucompile import artifacts, diagnostics, targets
+from tpucompile import artifacts, diagnostics, memory_accounting, targets
 from tpucompile import compile_stats as stats
 from tpucompile.cache import MemoryStore
 from tpucompile.config import Options
@@ -297,7 +297,7 @@ def _compile_region(
         loaded = artifacts.load_executable(program, program_sha256, target, options, name)
         _notify(name, gm, program, program_tier, loaded)
         _compile_for_targets(gm, bindings, program, program_sha256, target, options, name)
-        executable = _executable(program, loaded, target, constants)
+        executable = _executable(program, loaded, target, constants, name)
         if isinstance(executable, ShardedExecutable) and options.shard is not None:
             record_layouts(gm, program.output_plan, executable.result_dims, options.shard)
             for position, source in gm.meta.get("dtensor_outputs", {}).items():
@@ -362,7 +362,7 @@ def load_compiled_graph(program_key: str, options: Options, name: str) -> GraphE
     _graphs_compiled += 1
     loaded = artifacts.load_executable(program, program_sha256, target, options, name)
     _notify(name, None, program, program_tier, loaded)
-    return _executable(program, loaded, target, [])
+    return _executable(program, loaded, target, [], name)
 
 
 def custom_ops_lowered_whole(options: Options) -> frozenset[str]:
@@ -397,10 +397,12 @@ def _target(options: Options) -> Any:
 
 
 def _executable(
-    program: LoweredProgram, loaded: artifacts.LoadedExecutable, target: Any, lifted_constants: list
+    program: LoweredProgram, loaded: artifacts.LoadedExecutable, target: Any, lifted_constants: list, name: str
 ) -> GraphExecutable | ShardedExecutable:
     if len(target.devices) > 1:
-        return _sharded_executable(program, loaded, target, lifted_constants)
+        executable = _sharded_executable(program, loaded, target, lifted_constants)
+        memory_accounting.record_program(name, executable, target.devices)
+        return executable
     executable = GraphExecutable(
         loaded.executable,
         target.device,
@@ -413,6 +415,7 @@ def _executable(
     # Only a program that needs nothing but its arguments can be rebuilt from its key alone.
     executable.program_key = None if lifted_constants else program.cache_key
     _recent.append(weakref.ref(executable))
+    memory_accounting.record_program(name, executable, [target.device])
     return executable
 
 

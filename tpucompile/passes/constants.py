@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 import torch.fx
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 
 def lift_large_constants(gm: torch.fx.GraphModule, limit: int) -> list[torch.Tensor]:
@@ -34,7 +35,8 @@ def lift_large_constants(gm: torch.fx.GraphModule, limit: int) -> list[torch.Ten
         node.replace_all_uses_with(placeholder)
         graph.erase_node(node)
         insert_after = placeholder
-        lifted.append(value.detach())
+        with unset_fake_temporarily():  # AOTAutograd's fake mode is on while its compilers run
+            lifted.append(value.detach())
     if lifted:
         gm.recompile()
     return lifted

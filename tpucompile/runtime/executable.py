@@ -13,6 +13,10 @@ slot never gets a buffer some other party still reads: a device buffer is handed
 says it is the last reader (``run(..., donate=True)``: the backward of a graph autograd will not run again),
 else a copy; a torch tensor crosses as a copy of the runtime's own that nothing remembers (an import without
 a copy would hand the program torch's memory).
+
+Every buffer kept here is counted for ``tpucompile.memory_stats()`` where it is made (an import, a result
+exported or kept) and taken off by a weak reference's callback when it dies: one small object per buffer
+made, nothing per buffer reused.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from typing import Any
 
 import torch
 
+from tpucompile import memory_accounting
 from tpucompile.runtime.calling_convention import (
     INPUT,
     RESULT,
@@ -60,6 +65,10 @@ class GraphExecutable:
         self._imported: list[Any] = [None] * len(self.input_positions)
         """Per argument slot, the buffer last imported for it: what keeps it in the resident table."""
         self._shares_memory = shares_host_memory(device)
+        self._memory = memory_accounting.device_memory(device)
+        """Where this executable counts the buffers it keeps (``tpucompile.memory_stats()``)."""
+        self._result_bytes: list[int] | None = None
+        """The bytes of each program result, read from the first results (the program's shapes are fixed)."""
         self.donated_slots = frozenset(slot for slot, alias in enumerate(input_aliases) if alias is not None)
         """The argument slots the program takes over."""
         self.program_key: str | None = None
@@ -71,6 +80,7 @@ class GraphExecutable:
     def buffers(self, args: Sequence[Any], donate: bool = False) -> list[Any]:
         """Device buffers of the program's arguments, reusing those of unchanged tensors; with ``donate`` the
         device buffers among them in donated slots are handed over as they are (the caller reads them no more)."""
+        first_constant = len(args)
         if self.constants:
             args = [*args, *self.constants]
         device = self.device
@@ -91,14 +101,20 @@ class GraphExecutable:
                 continue
             buffer = resident.get(tensor)
             if buffer is None:
-                buffer = to_buffer(tensor, device)
-                resident.remember(
-                    tensor, buffer, imported=True,
-                    shares_memory=self._shares_memory and buffer.unsafe_buffer_pointer() == tensor.data_ptr(),
-                )
+                buffer = self._imported_buffer(tensor, position >= first_constant)
                 imported[slot] = buffer
             buffers.append(buffer)
         return buffers
+
+    def _imported_buffer(self, tensor: torch.Tensor, constant: bool) -> Any:
+        """A new buffer of ``tensor``, remembered for the tensor and counted as held while it lives."""
+        buffer = to_buffer(tensor, self.device)
+        aliases = shares_tensor_memory(tensor, self.device) and buffer.unsafe_buffer_pointer() == tensor.data_ptr()
+        self._resident.remember(tensor, buffer, imported=True, shares_memory=self._shares_memory and aliases)
+        use = (memory_accounting.CONSTANTS if constant else
+               memory_accounting.PARAMETERS if isinstance(tensor, torch.nn.Parameter) else memory_accounting.INPUTS)
+        self._memory.hold(buffer, use, tensor.nbytes, shared=aliases)
+        return buffer
 
     def _donated_buffer(self, value: Any, donate: bool) -> Any:
         """The buffer a donated slot gets: ``value`` itself only when it is a device buffer handed over, else
@@ -107,13 +123,28 @@ class GraphExecutable:
         if isinstance(value, torch.Tensor):
             buffer = to_buffer(value, self.device)
             return copy_buffer(buffer, self.device) if shares_tensor_memory(value, self.device) else buffer
-        return value if donate else copy_buffer(value, self.device)
+        if donate:
+            memory_accounting.release(value)  # its memory becomes the program's
+            return value
+        return copy_buffer(value, self.device)
 
     def _exported(self, result: Any) -> torch.Tensor:
         """A program result as a torch tensor, remembered so that passing it back in costs no import."""
         tensor = to_tensor(result)
         self._resident.remember(tensor, result, shares_memory=self._shares_memory, imported=False)
+        # Counted while its storage lives: torch hands results on as other tensors over the same memory
+        # (autograd's gradients), and a storage's Python object lives exactly as long as the memory.
+        self._memory.hold(tensor.untyped_storage(), memory_accounting.OUTPUTS, tensor.nbytes)
         return tensor
+
+    def _kept(self, results: list[Any], index: int) -> Any:
+        """A program result handed on as a device buffer (a forward's saved value), counted while it lives."""
+        sizes = self._result_bytes
+        if sizes is None:
+            sizes = self._result_bytes = [result.nbytes for result in results]
+        result = results[index]
+        self._memory.hold(result, memory_accounting.SAVED_ACTIVATIONS, sizes[index])
+        return result
 
     def __call__(self, args: list[Any]) -> list[Any]:
         return self._outputs(self.loaded.execute(self.buffers(args)), args, len(self.output_plan))
@@ -133,18 +164,21 @@ class GraphExecutable:
             exported = self._exported
             if first_kept >= len(results):
                 return [exported(result) for result in results]
-            return [*(exported(result) for result in results[:first_kept]), *results[first_kept:]]
+            return [*(exported(result) for result in results[:first_kept]),
+                    *(self._kept(results, index) for index in range(first_kept, len(results)))]
         outputs = []
         for position, (kind, value) in enumerate(self._plan):
             if kind == RESULT:
-                outputs.append(self._exported(results[value]) if position < first_kept else results[value])
+                outputs.append(self._exported(results[value]) if position < first_kept else self._kept(results, value))
             elif kind == INPUT:
                 outputs.append(args[value])
             elif kind == TRIMMED:
                 index, trim = value
                 tensor = to_tensor(results[index])
+                nbytes = tensor.nbytes
                 for dim, size_index in trim:
                     tensor = tensor.narrow(dim, 0, int(to_tensor(results[size_index])))
+                self._memory.hold(tensor.untyped_storage(), memory_accounting.OUTPUTS, nbytes)
                 outputs.append(tensor)
             else:
                 outputs.append(value)
