@@ -67,6 +67,17 @@ def aten_ops(monkeypatch) -> set:
     return seen
 
 
+@pytest.fixture
+def compile_events() -> list:
+    """The compile events (``driver.CompileEvent``) of every graph compiled during the test, in order."""
+    from tpucompile import driver
+
+    events: list = []
+    remove = driver.add_observer(events.append)
+    yield events
+    remove()
+
+
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
     """Each test starts with Dynamo's caches empty, so recompile limits never turn a test into eager."""

@@ -124,11 +124,8 @@ def registrations():
 
 
 @pytest.fixture
-def events():
-    seen: list = []
-    remove = driver.add_observer(seen.append)
-    yield seen
-    remove()
+def events(compile_events):
+    return compile_events
 
 
 def _calls(events) -> set[str]:

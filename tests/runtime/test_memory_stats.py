@@ -14,7 +14,6 @@ import pytest
 import torch
 
 import tpucompile
-from tpucompile import driver
 
 BATCH, IN, HIDDEN, OUT = 16, 64, 128, 8
 FLOAT = 4
@@ -47,16 +46,7 @@ def collect_only_when_told():
     gc.enable()
 
 
-@pytest.fixture
-def compiled_graphs():
-    """The names of the graphs compiled during the test, with their compile events."""
-    events: list = []
-    remove = driver.add_observer(events.append)
-    yield events
-    remove()
-
-
-def test_inference_holds_parameters_last_input_and_live_outputs(compiled_graphs):
+def test_inference_holds_parameters_last_input_and_live_outputs(compile_events):
     torch.manual_seed(0)
     model = _model()
     compiled = torch.compile(model, backend="tpucompile")
@@ -86,7 +76,7 @@ def test_inference_holds_parameters_last_input_and_live_outputs(compiled_graphs)
 
     # XLA's analysis of the program: the arguments and the result as known, and the hidden layer as a
     # temporary (it lies between two products, in neither the arguments nor the results).
-    name = next(event.name for event in compiled_graphs if event.name.endswith("(inference)"))
+    name = next(event.name for event in compile_events if event.name.endswith("(inference)"))
     figures = tpucompile.memory_stats()["graphs"][name]
     assert figures["executables"] == 1
     assert figures["arguments"] == _parameter_bytes(model) + x.nbytes
@@ -114,12 +104,12 @@ def test_a_deleted_models_parameters_go_when_the_graph_moves_on():
     assert _change(after, before)["parameters"] == 0  # the second model's, in place of the first's
 
 
-def test_training_holds_saved_activations_until_the_backward(compiled_graphs):
+def test_training_holds_saved_activations_until_the_backward(compile_events):
     torch.manual_seed(0)
     model = _model()
     compiled = torch.compile(model, backend="tpucompile")
     compiled(torch.randn(BATCH, IN)).sum().backward()  # compiles; later steps run the plan's runner
-    saved = next(event.saved_for_backward() for event in compiled_graphs if event.name.endswith("(backward)"))
+    saved = next(event.saved_for_backward() for event in compile_events if event.name.endswith("(backward)"))
     assert saved["activations"] > 0
 
     before = _held()
@@ -145,8 +135,8 @@ def test_training_holds_saved_activations_until_the_backward(compiled_graphs):
     assert _change(_held(), before)["outputs"] == -gradients
 
     names = tpucompile.memory_stats()["graphs"]
-    assert {event.name for event in compiled_graphs} <= set(names)
-    backward_figures = names[next(e.name for e in compiled_graphs if e.name.endswith("(backward)"))]
+    assert {event.name for event in compile_events} <= set(names)
+    backward_figures = names[next(e.name for e in compile_events if e.name.endswith("(backward)"))]
     assert backward_figures["arguments"] > 0 and backward_figures["outputs"] >= gradients
 
 
