@@ -70,15 +70,22 @@ def _entry(n: int) -> Entry:
     return Entry.create({"kind": "program", "n": n}, b"payload %d" % n, {}, 0.1)
 
 
-def test_cache_index_failures_warn_once_per_kind(tmp_path, monkeypatch):
+def _cache_whose_index_fails(tmp_path, monkeypatch, error: Exception, *methods: str) -> PersistentCache:
+    """A fresh cache whose index raises ``error`` from each of ``methods``, with no failure warned yet."""
     monkeypatch.setattr(tiered, "_index_failures_warned", set())
     cache = PersistentCache(tmp_path / "cache")
 
-    def locked(*args, **kwargs):
-        raise sqlite3.OperationalError("database is locked")
+    def failing(*args, **kwargs):
+        raise error
 
-    monkeypatch.setattr(cache.index, "record_put", locked)
-    monkeypatch.setattr(cache.index, "count", locked)
+    for method in methods:
+        monkeypatch.setattr(cache.index, method, failing)
+    return cache
+
+
+def test_cache_index_failures_warn_once_per_kind(tmp_path, monkeypatch):
+    cache = _cache_whose_index_fails(tmp_path, monkeypatch, sqlite3.OperationalError("database is locked"),
+                                     "record_put", "count")
     said = _caught(lambda: [cache.put(_entry(n)) for n in range(3)])
     assert len(said) == 1, said
     assert "'record_put'" in said[0] and "OperationalError: database is locked" in said[0]
@@ -90,13 +97,8 @@ def test_cache_index_failures_warn_once_per_kind(tmp_path, monkeypatch):
 
 
 def test_a_failed_lookup_in_the_index_is_a_warning_and_no_answer(tmp_path, monkeypatch):
-    monkeypatch.setattr(tiered, "_index_failures_warned", set())
-    cache = PersistentCache(tmp_path / "cache")
-
-    def broken(*args, **kwargs):
-        raise sqlite3.DatabaseError("file is not a database")
-
-    monkeypatch.setattr(cache.index, "nearest", broken)
+    cache = _cache_whose_index_fails(tmp_path, monkeypatch, sqlite3.DatabaseError("file is not a database"),
+                                     "nearest")
     found: list = []
     said = _caught(lambda: found.append(cache.nearest("program", {"kind": "program"})))
     assert found == [None]
