@@ -18,7 +18,7 @@ from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import stablehlo as hlo
 
 from tpucompile.errors import UnsupportedOpError
-from tpucompile.lowering import builder, jax_bridge
+from tpucompile.lowering import builder, dynamic_sizes, jax_bridge
 from tpucompile.lowering.registry import register_lowering
 
 aten = torch.ops.aten
@@ -361,7 +361,7 @@ def _drop_padded_indices(ctx, index: Value, size: int) -> Value:
     for d in range(len(shape)):
         extent = ctx.extent(meta, d) if meta.dim() else None
         if extent is not None:
-            inside = builder.compare(builder.iota(shape, torch.int32, d), builder.broadcast_to(extent, shape), "LT")
+            inside = dynamic_sizes.within_actual(shape, d, extent)
             index = builder.select(inside, index, builder.constant(size, builder.dtype_of(index), shape))
     return index
 

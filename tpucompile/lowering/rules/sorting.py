@@ -97,7 +97,7 @@ def _last_past_actual(ctx, x: Value, dim: int, descending: bool) -> Value:
         last = builder.min_value(dtype)
     else:
         last = float("nan") if dtype.is_floating_point else builder.max_value(dtype)
-    inside = builder.compare(builder.iota(shape, torch.int32, dim), builder.broadcast_to(extent, shape), "LT")
+    inside = dynamic_sizes.within_actual(shape, dim, extent)
     return builder.select(inside, x, builder.constant(last, dtype, shape))
 
 
