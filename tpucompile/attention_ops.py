@@ -16,7 +16,31 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["attention", "attention_backward"]
+__all__ = ["KERNEL_BLOCK", "attention", "attention_backward", "kernel_refusal"]
+
+KERNEL_BLOCK = 128
+"""The kernel's tile along the sequence and head dims: lengths and head sizes must be multiples of it."""
+
+
+def kernel_refusal(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, causal: bool) -> str | None:
+    """None when the TPU kernel takes attention of these (possibly fake) tensors, else why not. Key and value
+    may have fewer heads than the query (grouped-query attention, repeated before the call)."""
+    values = (query, key, value)
+    if any(t.dim() != 4 for t in values) or query.dtype != key.dtype or key.dtype != value.dtype:
+        return "it is not 4-d attention with one dtype"
+    if query.dtype not in (torch.float32, torch.bfloat16):
+        return f"{query.dtype} is not float32 or bfloat16"
+    if any(isinstance(s, torch.SymInt) for t in values for s in t.shape):
+        return "its sizes are symbolic"
+    if key.shape[-3] != value.shape[-3] or query.shape[-3] % key.shape[-3]:
+        return "its key and value heads do not divide its query heads"
+    if query.shape[-1] != key.shape[-1] or key.shape[-1] != value.shape[-1] or query.shape[-1] % KERNEL_BLOCK:
+        return f"its head size is not one multiple of {KERNEL_BLOCK}"
+    if query.shape[-2] % KERNEL_BLOCK or key.shape[-2] % KERNEL_BLOCK:
+        return f"its lengths are not multiples of {KERNEL_BLOCK}"
+    if causal and query.shape[-2] != key.shape[-2]:
+        return "it is causal with unequal lengths"
+    return None
 
 
 def _scores(query: torch.Tensor, key: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:

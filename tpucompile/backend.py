@@ -24,7 +24,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from tpucompile import warm_start
 from tpucompile.config import Options
 from tpucompile.debug import recorder as dump
-from tpucompile.driver import compile_graph, custom_ops_lowered_whole, record_graph
+from tpucompile.driver import attention_kernel_wanted, compile_graph, custom_ops_lowered_whole, record_graph
 from tpucompile.errors import OptionsError
 from tpucompile.frontend import (
     KINDS_KEY,
@@ -35,7 +35,6 @@ from tpucompile.frontend import (
     rewrite_interpolation,
     traced_like_real_tensors,
 )
-from tpucompile.runtime import get_target
 from tpucompile.sharding.binding import bind_sharding, dtensor_outputs
 
 _graph_counter = itertools.count()
@@ -53,7 +52,7 @@ def tpucompile_backend(
     index = next(_graph_counter)
     dump.start_from_environment()
     record_graph(f"graph {index}", "fx", gm)
-    if rewrite_attention(gm, kernel=_attention_kernel_wanted(config)):
+    if rewrite_attention(gm, kernel=attention_kernel_wanted(config)):
         record_graph(f"graph {index}", "fx_rewrite_attention", gm)
     if rewrite_interpolation(gm):
         record_graph(f"graph {index}", "fx_rewrite_interpolation", gm)
@@ -86,7 +85,7 @@ def tpucompile_backend(
             fw_compiler=compiler("forward"),
             bw_compiler=compiler("backward"),
             inference_compiler=compiler("inference"),
-            decompositions=decomposition_table(custom_ops_lowered_whole(config)),
+            decompositions=decomposition_table(custom_ops_lowered_whole(config), attention_kernel_wanted(config)),
             partition_fn=min_cut_rematerialization_partition,
         )(gm, example_inputs))
     return compiled if recorder is None else recorder.take_over(compiled)
@@ -119,14 +118,3 @@ def _compile_only_when_meta(config: Options, gm: torch.fx.GraphModule, example_i
 def _input_name(gm: torch.fx.GraphModule, index: int) -> str:
     names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
     return repr(names[index]) if index < len(names) else str(index)
-
-
-def _attention_kernel_wanted(config: Options) -> bool:
-    """Whether attention goes to its kernel op (``config.attention``): in "auto", where a TPU compiles it."""
-    if config.attention != "auto":
-        return config.attention == "kernel"
-    if config.platform == "tpu" or any(target.startswith("tpu") for target in config.targets):
-        return True
-    if config.platform is None:  # through the runtime, which sets jax up before its backend starts
-        return get_target(None).platform == "tpu"
-    return False

@@ -28,7 +28,7 @@ from tpucompile.lowering import LoweredProgram, ShapeBindings, custom_ops, is_sy
 from tpucompile.lowering.graph import has_data_dependent_size, unsupported_reason
 from tpucompile.lowering.registry import lookup_rule
 from tpucompile.lowering.sharding import program_shardings
-from tpucompile.passes import isolate_node, partition_supported, run_passes
+from tpucompile.passes import isolate_node, partition_supported, run_passes, saved_value_mismatch
 from tpucompile.runtime import (
     GraphExecutable,
     ShapeOnlyExecutable,
@@ -177,6 +177,11 @@ def _compile_graph(gm: torch.fx.GraphModule, options: Options, name: str) -> Cal
                                  f"{'no lowering' if unsupported else 'a data-dependent result size'}")
     if unsupported and options.fallback == "error":
         raise UnsupportedOpError(unsupported_reason(unsupported[0]) + _FALLBACK_HINT)
+    for node in unsupported:
+        mismatch = saved_value_mismatch(node)
+        if mismatch is not None:
+            raise UnsupportedOpError(f"{diagnostics.describe_node(node)} would run in eager PyTorch on values its "
+                                     f"fused forward did not save for it: {mismatch}")
     _warn_fallback(unsupported)
     regions = partition_supported(
         gm, lambda node: unsupported_reason(node) is None and not has_data_dependent_size(node)
@@ -372,6 +377,17 @@ def custom_ops_lowered_whole(options: Options) -> frozenset[str]:
     platforms = lowering_platforms(options)
     return frozenset(name for name, op in custom_op_overloads().items()
                      if lookup_rule(op) is not None or custom_ops.lowers(op, platforms))
+
+
+def attention_kernel_wanted(options: Options) -> bool:
+    """Whether attention goes to its kernel op (``options.attention``): in "auto", where a TPU compiles it."""
+    if options.attention != "auto":
+        return options.attention == "kernel"
+    if options.platform == "tpu" or any(target.startswith("tpu") for target in options.targets):
+        return True
+    if options.platform is None:  # through the runtime, which sets jax up before its backend starts
+        return get_target(None).platform == "tpu"
+    return False
 
 
 def lowering_platforms(options: Options) -> frozenset[str]:

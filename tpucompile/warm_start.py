@@ -86,7 +86,8 @@ def plan_components(
         "deterministic": [torch.are_deterministic_algorithms_enabled(),
                           torch.is_deterministic_algorithms_warn_only_enabled()],
         "functorch_config": _functorch_settings(),
-        "decompositions": _table_digest(decomposition_table(driver.custom_ops_lowered_whole(options))),
+        "decompositions": _table_digest(decomposition_table(driver.custom_ops_lowered_whole(options),
+                                                             driver.attention_kernel_wanted(options))),
         # every one, not only those of this graph's ops: the backward's ops (a custom op's autograd formula may
         # call another) show only in the ATen graphs, whose programs the plan names by key
         "jax_lowerings": custom_ops.registrations(get_target(options.platform).platform),

@@ -165,7 +165,7 @@ def _is_random(opinfo: Any, sample: Any) -> bool:
     return _close(first, second, 0.0, 0.0) is not None
 
 
-def _classify_error(error: BaseException) -> tuple[str, str]:
+def classify_error(error: BaseException) -> tuple[str, str]:
     chain = error
     while chain is not None:
         if isinstance(chain, UnsupportedOpError):
@@ -204,7 +204,7 @@ def run_sample(opinfo: Any, dtype: torch.dtype, sample: Any) -> tuple[str, str]:
         torch.manual_seed(0)
         actual = _call(opinfo, sample, compiled)
     except Exception as error:  # classified, never re-raised: a sweep must survive every op
-        return _classify_error(error)
+        return classify_error(error)
     if driver.graphs_compiled() == before:
         return "no-graph", ""
     if undefined:

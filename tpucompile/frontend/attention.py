@@ -14,11 +14,13 @@ log-sum-exp per row for the backward. Everywhere else that op lowers to the math
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.fx
 import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 from tpucompile import attention_ops
 from tpucompile.frontend.decompositions import attention_scale, grouped_key_value, scaled_dot_product_attention
@@ -31,8 +33,6 @@ _ATTENTION_TARGETS = {
     torch.ops.aten.scaled_dot_product_attention.default,
 }
 _PARAMETERS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
-KERNEL_BLOCK = 128
-"""The kernel's tile along the sequence and head dims: lengths and head sizes must be multiples of it."""
 
 
 def attention_with_kernel(
@@ -52,9 +52,15 @@ def attention_with_kernel(
 
 def kernel_takes(node: torch.fx.Node) -> str | None:
     """None when the attention call ``node`` fits the kernel, else why not."""
-    bound = dict(zip(_PARAMETERS, node.args, strict=False))
-    bound.update(node.kwargs)
-    values = [_example(bound.get(name)) for name in ("query", "key", "value")]
+    return _kernel_refusal(node.args, node.kwargs, _example)
+
+
+def _kernel_refusal(args: tuple, kwargs: dict[str, Any], example: Callable[[Any], Any] = lambda v: v) -> str | None:
+    """None when attention called with ``args`` and ``kwargs`` fits the kernel, else why not; ``example`` maps
+    an argument to the (fake) tensor it stands for."""
+    bound = dict(zip(_PARAMETERS, args, strict=False))
+    bound.update(kwargs)
+    values = [example(bound.get(name)) for name in ("query", "key", "value")]
     if not all(isinstance(v, torch.Tensor) for v in values):
         return "query, key or value has no traced value"
     query, key, value = values
@@ -64,32 +70,59 @@ def kernel_takes(node: torch.fx.Node) -> str | None:
         return "it has dropout or a traced is_causal"
     if not isinstance(bound.get("scale"), (int, float, type(None))):
         return "its scale is traced"
-    if any(t.dim() != 4 for t in values) or query.dtype != key.dtype or key.dtype != value.dtype:
-        return "it is not 4-d attention with one dtype"
-    if query.dtype not in (torch.float32, torch.bfloat16):
-        return f"{query.dtype} is not float32 or bfloat16"
-    if any(isinstance(s, torch.SymInt) for t in values for s in t.shape):
-        return "its sizes are symbolic"
-    if key.shape[-3] != value.shape[-3] or (query.shape[-3] != key.shape[-3] and not (
-            bound.get("enable_gqa") is True and query.shape[-3] % key.shape[-3] == 0)):
+    if (all(t.dim() == 4 for t in values) and query.shape[-3] != key.shape[-3]
+            and bound.get("enable_gqa") is not True):
         return "its heads differ without grouped-query attention"
-    if query.shape[-1] != key.shape[-1] or key.shape[-1] != value.shape[-1] or query.shape[-1] % KERNEL_BLOCK:
-        return f"its head size is not one multiple of {KERNEL_BLOCK}"
-    if query.shape[-2] % KERNEL_BLOCK or key.shape[-2] % KERNEL_BLOCK:
-        return f"its lengths are not multiples of {KERNEL_BLOCK}"
-    if bound.get("is_causal") and query.shape[-2] != key.shape[-2]:
-        return "it is causal with unequal lengths"
-    return None
+    return attention_ops.kernel_refusal(query, key, value, bool(bound.get("is_causal", False)))
+
+
+class _RoutedAttention(TorchFunctionMode):
+    """Sends each ``scaled_dot_product_attention`` call made while it is active to its math form, or with
+    ``kernel`` each one the kernel takes to ``attention_with_kernel``."""
+
+    def __init__(self, kernel: bool) -> None:
+        super().__init__()
+        self.kernel = kernel
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _ATTENTION_TARGETS:
+            kernel = self.kernel and _kernel_refusal(args, kwargs) is None
+            return (attention_with_kernel if kernel else scaled_dot_product_attention)(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def multi_head_attention_math(*args: Any, **kwargs: Any) -> Any:
+    """``F.multi_head_attention_forward`` with the attention inside it in its math form."""
+    with _RoutedAttention(kernel=False):
+        return F.multi_head_attention_forward(*args, **kwargs)
+
+
+def multi_head_attention_with_kernel(*args: Any, **kwargs: Any) -> Any:
+    """``F.multi_head_attention_forward`` with the attention inside it sent to the kernel where it fits."""
+    with _RoutedAttention(kernel=True):
+        return F.multi_head_attention_forward(*args, **kwargs)
+
+
+_HIDING_ATTENTION = {F.multi_head_attention_forward: (multi_head_attention_math, multi_head_attention_with_kernel)}
+"""Functions Dynamo keeps as one call though they call attention inside: their math and kernel routings."""
 
 
 def rewrite_attention(gm: torch.fx.GraphModule, kernel: bool = False) -> int:
     """Point every attention call at its math form, or with ``kernel`` each one the kernel takes at
     ``attention_with_kernel``; returns how many were rewritten. Each rewritten node records the choice in its
-    meta (``"attention"``: ``"kernel"`` or ``"math: <why>"``), which the graph dump shows."""
+    meta (``"attention"``: ``"kernel"`` or ``"math: <why>"``), which the graph dump shows. Calls that hide
+    attention inside them (``F.multi_head_attention_forward``) run with their attention routed the same way:
+    otherwise PyTorch's fused kernel would reach autograd, whose backward is another fused kernel."""
     rewritten = 0
     transformed = runs_functorch_transform(gm)
     for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target in _ATTENTION_TARGETS:
+        if node.op == "call_function" and node.target in _HIDING_ATTENTION:
+            routed = kernel and not transformed
+            node.target = _HIDING_ATTENTION[node.target][routed]
+            node.meta["attention"] = "routed inside: kernel where it fits" if routed else "routed inside: math"
+            rewritten += 1
+        elif node.op == "call_function" and node.target in _ATTENTION_TARGETS:
             if not kernel:
                 why_not = "no kernel for this target"
             elif transformed:  # torch.func.grad cannot differentiate a custom op's autograd formula

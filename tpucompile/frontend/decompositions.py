@@ -17,6 +17,8 @@ import torch
 from torch._decomp import core_aten_decompositions, get_decompositions
 
 from tpucompile.frontend import custom_ops
+from tpucompile.frontend.fused_attention import fused_attention_decompositions
+from tpucompile.frontend.fused_layers import fused_layer_decompositions
 
 aten = torch.ops.aten
 
@@ -174,18 +176,21 @@ def fused_multiply_add(a: torch.Tensor, b: Any, c: torch.Tensor) -> torch.Tensor
     return a * b + c
 
 
-def decomposition_table(lowered_custom_ops: frozenset[str] = frozenset()) -> dict[torch._ops.OpOverload, Callable]:
+def decomposition_table(lowered_custom_ops: frozenset[str] = frozenset(), attention_kernel: bool = False
+                        ) -> dict[torch._ops.OpOverload, Callable]:
     """The table handed to AOTAutograd (treat it as read-only). ``prims.fma`` exists only once Dynamo has
     imported Inductor's prims (as it does when it first traces an ``addcmul_`` with a value), so the table
     is built anew, once, when it appears. Custom ops (``torch.library.custom_op``) not named in
     ``lowered_custom_ops`` are traced through their implementations (``custom_ops``); the table is built
-    anew when those ops or their implementations change."""
+    anew when those ops or their implementations change. With ``attention_kernel``, PyTorch's fused attention
+    kernels go to the TPU kernel op where it takes them (``fused_attention``)."""
     fma = getattr(torch.ops.prims, "fma", None)
-    return _table(fma.default if fma is not None else None, custom_ops.traced_ops(lowered_custom_ops))
+    return _table(fma.default if fma is not None else None, custom_ops.traced_ops(lowered_custom_ops),
+                  attention_kernel)
 
 
 @functools.cache
-def _table(fma: torch._ops.OpOverload | None, traced: tuple[tuple[str, str], ...]
+def _table(fma: torch._ops.OpOverload | None, traced: tuple[tuple[str, str], ...], attention_kernel: bool
            ) -> dict[torch._ops.OpOverload, Callable]:
     table = dict(core_aten_decompositions())
     table.update(custom_ops.traced_implementations(traced))
@@ -198,4 +203,6 @@ def _table(fma: torch._ops.OpOverload | None, traced: tuple[tuple[str, str], ...
     table[aten.unique_consecutive.default] = unique_consecutive_normalized_dim
     table[aten.nll_loss_backward.default] = nll_loss_backward
     table[aten.nll_loss2d_backward.default] = nll_loss_backward
+    table.update(fused_attention_decompositions(attention_kernel))
+    table.update(fused_layer_decompositions())
     return table

@@ -16,6 +16,7 @@ from tpucompile.passes.constants import lift_large_constants
 from tpucompile.passes.dead_code import eliminate_dead_code
 from tpucompile.passes.noop_views import remove_noop_views
 from tpucompile.passes.partition import isolate_node, partition_supported
+from tpucompile.passes.saved_values import saved_value_mismatch
 from tpucompile.sharding.annotate import annotate_shardings
 from tpucompile.sharding.plan import Mesh, ShardPlan
 
@@ -64,4 +65,5 @@ __all__ = [
     "partition_supported",
     "remove_noop_views",
     "run_passes",
+    "saved_value_mismatch",
 ]
