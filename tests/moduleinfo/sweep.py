@@ -218,7 +218,7 @@ def run_sample(info: Any, sample: Any, index: int, mode: str, dtype: torch.dtype
         return result(*classify_error(error))
     if driver.graphs_compiled() == before:
         return result("no-graph", "")
-    rtol, atol = _tolerance(info.name, dtype)
+    rtol, atol = _tolerance(info.name, torch.bfloat16 if autocast else dtype)
     for what, a, e in (("outputs", actual.outputs, expected.outputs), ("input grads", actual.grads, expected.grads),
                        ("parameter grads", actual.parameter_grads, expected.parameter_grads),
                        ("buffers", actual.buffers, expected.buffers)):
@@ -252,7 +252,7 @@ def sweep(db: Iterable[Any], modes: Iterable[str], dtype: torch.dtype, max_sampl
             try:
                 found = samples(info, mode, dtype if not autocast else torch.float32)
             except Exception as error:
-                results.append(SampleResult(info.name, mode, str(dtype), 0, "eager-error", str(error)[:200]))
+                results.append(_result_maker(info.name, mode, dtype, 0, autocast)("eager-error", str(error)[:200]))
                 continue
             for index, sample in enumerate(found[:max_samples]):
                 with warnings.catch_warnings():
