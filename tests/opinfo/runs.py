@@ -11,6 +11,7 @@ import sys
 
 SWEEP = pathlib.Path(__file__).with_name("sweep.py")
 FLOOR = pathlib.Path(__file__).with_name("floor.json")
+GRADIENT_FLOOR = pathlib.Path(__file__).with_name("gradient_floor.json")
 
 
 def sweep_env(cache_dir: pathlib.Path, mode: str) -> dict[str, str]:
@@ -20,11 +21,13 @@ def sweep_env(cache_dir: pathlib.Path, mode: str) -> dict[str, str]:
     return env
 
 
-def run_sweep(cache_dir: pathlib.Path, mode: str, max_samples: int, out: pathlib.Path) -> list[dict]:
-    """The float32 OpInfo sweep's first ``max_samples`` of every op, over two processes, in fresh processes
-    with the cache at ``cache_dir`` in ``mode``; every sample's outcome."""
+def run_sweep(cache_dir: pathlib.Path, mode: str, max_samples: int, out: pathlib.Path, grad: bool = False
+              ) -> list[dict]:
+    """The float32 OpInfo sweep's first ``max_samples`` of every op (with ``grad``: of every op that supports
+    autograd, forward and input gradients), over two processes, in fresh processes with the cache at
+    ``cache_dir`` in ``mode``; every sample's outcome."""
     done = subprocess.run([sys.executable, str(SWEEP), "--max-samples", str(max_samples), "--jobs", "2",
-                           "--json", str(out), "--quiet"], capture_output=True, text=True,
-                          env=sweep_env(cache_dir, mode), timeout=1500)
+                           "--json", str(out), "--quiet", *(["--grad"] if grad else [])],
+                          capture_output=True, text=True, env=sweep_env(cache_dir, mode), timeout=1500)
     assert done.returncode == 0, f"{mode} sweep: exit code {done.returncode}\n{done.stderr[-3000:]}"
     return json.loads(out.read_text())

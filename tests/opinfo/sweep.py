@@ -222,6 +222,51 @@ def run_sample(opinfo: Any, dtype: torch.dtype, sample: Any) -> tuple[str, str]:
     return ("pass", "") if reason is None else ("mismatch", reason)
 
 
+def _gradients(opinfo: Any, sample: Any, fn: Any = None) -> tuple[Any, Any] | None:
+    """(the outputs, the gradients of every sample tensor that requires grad) of a loss weighting each float
+    output element differently; None when no output carries a gradient."""
+    out = _call(opinfo, sample, fn)
+    outputs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+    leaves = [t for t in pytree.tree_leaves((sample.input, sample.args, sample.kwargs))
+              if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not outputs or not leaves:
+        return None
+    loss = sum((t * torch.linspace(-1.0, 2.0, t.numel(), dtype=t.dtype).reshape(t.shape)).sum() for t in outputs)
+    grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+    return pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out), grads
+
+
+def run_gradient_sample(opinfo: Any, dtype: torch.dtype, sample: Any) -> tuple[str, str]:
+    """Classify one sample's forward and input gradients (the sample's tensors require grad)."""
+    try:
+        torch.manual_seed(0)
+        expected = _gradients(opinfo, sample)
+        if expected is None:
+            return "skip", "no differentiable output"
+        if _is_random(opinfo, sample):
+            return "random", ""
+    except Exception:
+        return "skip", "eager raised"
+    torch._dynamo.reset()
+    compiled = torch.compile(opinfo.op, backend="tpucompile", fullgraph=True, options={"fallback": "error"})
+    before = driver.graphs_compiled()
+    try:
+        torch.manual_seed(0)
+        actual = _gradients(opinfo, sample, compiled)
+    except Exception as error:  # classified, never re-raised
+        return classify_error(error)
+    if driver.graphs_compiled() == before:
+        return "no-graph", ""
+    if actual is None:
+        return "mismatch", "the compiled outputs carry no gradient"
+    rtol, atol = _tolerance(opinfo, dtype)
+    reason = _close(actual[0], expected[0], rtol, atol)
+    if reason is None:
+        reason = _close(actual[1], expected[1], rtol, atol)
+        reason = None if reason is None else f"gradient: {reason}"
+    return ("pass", "") if reason is None else ("mismatch", reason)
+
+
 def _sample_in_float32(sample: Any) -> Any:
     return sample.transform(
         lambda t: t.float() if isinstance(t, torch.Tensor) and t.dtype in (torch.bfloat16, torch.float16) else t
@@ -248,9 +293,10 @@ def select_opinfos(names: list[str] | None, shard: str | None) -> list[Any]:
     return opinfos
 
 
-def iter_samples(opinfo: Any, dtype: torch.dtype, max_samples: int | None) -> Iterator[tuple[int, Any]]:
+def iter_samples(opinfo: Any, dtype: torch.dtype, max_samples: int | None, grad: bool = False
+                 ) -> Iterator[tuple[int, Any]]:
     try:
-        samples = opinfo.sample_inputs("cpu", dtype, requires_grad=False)
+        samples = opinfo.sample_inputs("cpu", dtype, requires_grad=grad)
         for index, sample in enumerate(samples):
             if max_samples is not None and index >= max_samples:
                 return
@@ -260,23 +306,28 @@ def iter_samples(opinfo: Any, dtype: torch.dtype, max_samples: int | None) -> It
 
 
 def sweep(
-    opinfos: Iterable[Any], dtypes: Iterable[torch.dtype], max_samples: int | None = None, progress: bool = False
+    opinfos: Iterable[Any], dtypes: Iterable[torch.dtype], max_samples: int | None = None, progress: bool = False,
+    grad: bool = False,
 ) -> list[SampleResult]:
+    """Every sample's outcome; with ``grad``, of the OpInfos that support autograd, forward and input
+    gradients (recorded under the dtype name with ``+grad``)."""
     results: list[SampleResult] = []
     for opinfo in opinfos:
         supported = opinfo.supported_dtypes("cpu")
+        if grad and not opinfo.supports_autograd:
+            continue
         for dtype in dtypes:
-            if dtype not in supported:
+            if dtype not in supported or (grad and not dtype.is_floating_point):
                 continue
             start = time.perf_counter()
             # OpInfo samples are drawn from torch's global generator: seed it per op and dtype so that every
             # run, shard and order sees the same inputs (the floor test depends on it).
             torch.manual_seed(zlib.crc32(f"{op_id(opinfo)}|{dtype}".encode()))
-            for index, sample in iter_samples(opinfo, dtype, max_samples):
-                outcome, detail = run_sample(opinfo, dtype, sample)
+            for index, sample in iter_samples(opinfo, dtype, max_samples, grad):
+                outcome, detail = (run_gradient_sample if grad else run_sample)(opinfo, dtype, sample)
                 if outcome != "skip":
-                    results.append(SampleResult(op_id(opinfo), str(dtype).removeprefix("torch."), index, outcome,
-                                                detail))
+                    name = str(dtype).removeprefix("torch.") + ("+grad" if grad else "")
+                    results.append(SampleResult(op_id(opinfo), name, index, outcome, detail))
             if progress:
                 print(f"{op_id(opinfo):40s} {dtype}  {time.perf_counter() - start:.1f}s", file=sys.stderr)
     return results
@@ -301,7 +352,8 @@ def pass_rate(counter: collections.Counter) -> float:
 
 def write_markdown(results: list[SampleResult], path: str, command: str) -> None:
     summary = summarize(results)
-    dtypes = sorted(summary["totals"], key=lambda d: list(DTYPES).index(d) if d in DTYPES else 99)
+    dtypes = sorted(summary["totals"], key=lambda d: (list(DTYPES).index(d.split("+")[0])
+                                                      if d.split("+")[0] in DTYPES else 99, d))
     lines = [
         "# ATen coverage: PyTorch's OpInfo suite through tpucompile",
         "",
@@ -384,6 +436,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=1, help="processes to spread the OpInfos over")
     parser.add_argument("--shard", help="K/N: run only the OpInfos whose index is K modulo N")
     parser.add_argument("--merge", nargs="+", help="report on these --json files instead of running a sweep")
+    parser.add_argument("--grad", action="store_true", help="compare input gradients too (autograd OpInfos)")
     parser.add_argument("--progress", action="store_true")
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args(argv)
@@ -394,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
         results = _run_in_processes(_without(argv, ("--jobs", "--json", "--markdown")), args.jobs)
     else:
         opinfos = select_opinfos(args.ops, args.shard)
-        results = sweep(opinfos, [DTYPES[d] for d in args.dtypes], args.max_samples, args.progress)
+        results = sweep(opinfos, [DTYPES[d] for d in args.dtypes], args.max_samples, args.progress, args.grad)
     summary = summarize(results)
     if not args.quiet:
         for dtype, counter in summary["totals"].items():

@@ -5,7 +5,10 @@ of their own (``opinfo_floor_sweep`` in ``tests/conftest.py``; the warm-start te
 over every sample and dtype is
 ``python tests/opinfo/sweep.py --dtypes float32 bfloat16 int64 bool --markdown docs/coverage.md``.
 Regenerate the floor after adding lowerings with ``python -m tests.opinfo.test_opinfo --write-floor``
-(or ``--write-floor --from-json RESULTS.json`` to take it from a sweep's ``--json`` output).
+(or ``--write-floor --from-json RESULTS.json`` to take it from a sweep's ``--json`` output). The gradient
+floor (``gradient_floor.json``: the first sample of every OpInfo that supports autograd, forward values and
+input gradients) comes from ``python tests/opinfo/sweep.py --grad --max-samples 1 --jobs 2 --json G.json`` and
+``python -m tests.opinfo.test_opinfo --write-gradient-floor G.json``.
 """
 
 from __future__ import annotations
@@ -43,6 +46,36 @@ def test_opinfo_float32_floor(opinfo_floor_sweep):
     assert len(passing) >= floor["min_pass"], (len(passing), floor["min_pass"])
 
 
+def test_opinfo_float32_gradient_floor(tmp_path):
+    """Forward values and input gradients of the first sample of every OpInfo that supports autograd."""
+    from tests.opinfo.runs import GRADIENT_FLOOR, run_sweep
+
+    floor = json.loads(GRADIENT_FLOOR.read_text())
+    results = [sweep.SampleResult(**r) for r in run_sweep(tmp_path / "cache", "off", floor["max_samples"],
+                                                          tmp_path / "gradients.json", grad=True)]
+    passing = _passing(results)
+    regressed = sorted(set(floor["passing"]) - passing)
+    reasons = {f"{r.op}|{r.index}": f"{r.outcome}: {r.detail[:200]}" for r in results
+               if f"{r.op}|{r.dtype}|{r.index}" in regressed}
+    assert not regressed, f"{len(regressed)} samples stopped passing: {reasons}"
+    assert len(passing) >= floor["min_pass"], (len(passing), floor["min_pass"])
+
+
+def write_gradient_floor(from_json: str, max_samples: int = 1) -> None:
+    """Record the gradient floor from a sweep's ``--grad --json`` output."""
+    from tests.opinfo.runs import GRADIENT_FLOOR
+
+    with open(from_json) as source:
+        results = [sweep.SampleResult(**r) for r in json.load(source)]
+    results = [r for r in results if r.dtype == "float32+grad" and r.index < max_samples]
+    passing = sorted(_passing(results))
+    counter = sweep.summarize(results)["totals"]["float32+grad"]
+    GRADIENT_FLOOR.write_text(json.dumps({"max_samples": max_samples, "min_pass": len(passing),
+                                          "pass_rate": round(sweep.pass_rate(counter), 4), "passing": passing},
+                                         indent=0) + "\n")
+    print(f"gradient floor: {len(passing)} passing samples, pass rate {100 * sweep.pass_rate(counter):.1f}%")
+
+
 def write_floor(max_samples: int = 2, from_json: str | None = None) -> None:
     """Record the floor from a fresh run, or from a sweep's ``--json`` output (its first samples per op)."""
     if from_json:
@@ -61,6 +94,8 @@ def write_floor(max_samples: int = 2, from_json: str | None = None) -> None:
 
 
 if __name__ == "__main__":
-    if "--write-floor" in sys.argv:
+    if "--write-gradient-floor" in sys.argv:
+        write_gradient_floor(sys.argv[sys.argv.index("--write-gradient-floor") + 1])
+    elif "--write-floor" in sys.argv:
         source = sys.argv[sys.argv.index("--from-json") + 1] if "--from-json" in sys.argv else None
         write_floor(from_json=source)

@@ -30,10 +30,11 @@ def _scalar_tensor(ctx, value, **kwargs):
 @register_lowering(
     aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.default, aten.empty_permuted.default,
     aten.new_empty.default, aten.new_empty_strided.default, aten.zeros.default, aten.zeros_like.default,
-    aten.new_zeros.default,
+    aten.new_zeros.default, aten._efficientzerotensor.default,
 )
 def _zeros(ctx, *args, **kwargs):
-    """Uninitialised memory has no meaning in a value program: empty tensors are zeros."""
+    """Uninitialised memory has no meaning in a value program: empty tensors are zeros. (Autograd's
+    ``_efficientzerotensor``, a gradient known to be zero, is zeros too.)"""
     return builder.constant(0, ctx.aval_out.dtype, ctx.aval_out.shape)
 
 
