@@ -174,7 +174,9 @@ def _grid_sampler(ctx, image, grid, interpolation_mode, padding_mode, align_corn
 def _grid_sampler_backward(ctx, grad, image, grid, interpolation_mode, padding_mode, align_corners, output_mask):
     """``jax.vjp`` of the forward. The gradient of the grid is zero for ``nearest``; the image's values are
     passed to jax only when the grid's gradient needs them (the image's own gradient does not depend on
-    them)."""
+    them). The image's shape is then known to jax only through the closure, so it is part of the memo key:
+    without it, two samplers of the same grid over images of different sizes (an image pyramid) would share
+    one lowering and get each other's gradient shape."""
     _check(interpolation_mode, builder.rank_of(image) - 2)
     specs = ctx.avals_out
     mode, padding, corners = interpolation_mode, padding_mode, bool(align_corners)
@@ -196,7 +198,8 @@ def _grid_sampler_backward(ctx, grad, image, grid, interpolation_mode, padding_m
 
     result_specs = [type(s)(s.shape, work) for s, c in zip(specs, computed, strict=True) if c]
     grads = iter(jax_bridge.call("grid_sampler_backward", fn, operands, result_specs,
-                                 params=(mode, padding, corners, tuple(computed))) if result_specs else [])
+                                 params=(mode, padding, corners, tuple(computed), tuple(image_shape)))
+                 if result_specs else [])
     results = []
     for spec, done in zip(specs, computed, strict=True):
         if spec is None:
