@@ -100,7 +100,8 @@ def test_gradients_are_eagers_whichever_op_falls_back(name, monkeypatch):
     original_rule = lowered_graph._rule
     for op in ops:
         torch._dynamo.reset()
-        monkeypatch.setattr(lowered_graph, "_rule", lambda target, op=op: None if target is op else original_rule(target))
+        monkeypatch.setattr(lowered_graph, "_rule",
+                            lambda target, op=op: None if target is op else original_rule(target))
         torch.manual_seed(0)
         model = build()
         with warnings.catch_warnings():
