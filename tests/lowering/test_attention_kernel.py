@@ -100,3 +100,24 @@ def test_programs_for_a_tpu_target_call_the_kernel_and_the_cpu_program_does_not(
     kernel_calls = ["tpu_custom_call" in "".join(m.to_string() for m in e.executable.hlo_modules()) for e in on_tpu]
     assert kernel_calls == [mode == "auto"] * 2
     assert not any("tpu_custom_call" in e.program.text() for e in on_cpu)
+
+
+@needs_libtpu
+def test_multihead_attention_for_a_tpu_target_calls_the_kernel(compile_events):
+    """``nn.MultiheadAttention`` hides its attention inside one call Dynamo keeps whole; compiled for a TPU,
+    that attention still reaches the kernel, forward and backward, and on the CPU the same step equals eager."""
+    torch.manual_seed(0)
+    module = torch.nn.MultiheadAttention(256, 2, batch_first=True).to(torch.bfloat16)  # head size 128
+    x = torch.randn(2, 128, 256, dtype=torch.bfloat16)
+    leaves = [x.clone().requires_grad_() for _ in range(2)]
+    out = torch.compile(module, backend="tpucompile",
+                        options={"targets": ["tpu:v5e:1x1"], "cache_mode": "off"})(*[leaves[0]] * 3,
+                                                                                    need_weights=False)[0]
+    out.float().square().sum().backward()
+    expected = module(*[leaves[1]] * 3, need_weights=False)[0]
+    expected.float().square().sum().backward()
+    torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(leaves[0].grad, leaves[1].grad, atol=5e-2, rtol=5e-2)
+    on_tpu = [e for e in compile_events if e.target == "tpu:v5e:1x1"]
+    assert len(on_tpu) == 2, [(e.name, e.target) for e in compile_events]
+    assert all("tpu_custom_call" in "".join(m.to_string() for m in e.executable.hlo_modules()) for e in on_tpu)

@@ -171,6 +171,16 @@ def nll_loss_backward(
     return torch.where(hit, -grad_output, 0).to(self.dtype)
 
 
+def weight_norm_interface(v: torch.Tensor, g: torch.Tensor, dim: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_weight_norm_interface`` as torch decomposes it, except that a 1-d ``v`` (nothing to reduce besides
+    ``dim``) keeps one norm per element, as eager's kernel does: the table's ``v.norm(2, ())`` reduces over
+    all of it. The norm is returned for the backward, which reads it (``_weight_norm_interface_backward``)."""
+    dims = [d for d in range(v.dim()) if d != dim]
+    norm_dtype = torch.float if g.dtype == torch.bfloat16 else None
+    norm = v.norm(2, dims, keepdim=True, dtype=norm_dtype) if dims else v.abs().to(norm_dtype or v.dtype)
+    return v * (g / norm.to(g.dtype)), norm
+
+
 def fused_multiply_add(a: torch.Tensor, b: Any, c: torch.Tensor) -> torch.Tensor:
     """Inductor's ``prims.fma``, which Dynamo writes for ``addcmul_(..., value=v)`` (every Adam step): its eager
     implementation, ``a * b + c``."""
@@ -204,6 +214,7 @@ def _table(fma: torch._ops.OpOverload | None, traced: tuple[tuple[str, str], ...
     table[aten.unique_consecutive.default] = unique_consecutive_normalized_dim
     table[aten.nll_loss_backward.default] = nll_loss_backward
     table[aten.nll_loss2d_backward.default] = nll_loss_backward
+    table[aten._weight_norm_interface.default] = weight_norm_interface
     table.update(fused_attention_decompositions(attention_kernel))
     table.update(fused_layer_decompositions())
     table.update(fractional_pooling_decompositions())

@@ -1,5 +1,5 @@
 """Softmax (and its backward) and layer norm, lowered whole so that XLA sees one max/sum reduction pair and
-one fusion.
+one fusion; and weight norm's backward, which PyTorch has no decomposition for.
 
 Low-precision inputs are normalised in f32 and rounded once. (Eager's CPU softmax also rounds exp() to
 bf16/f16 before normalising, so results may differ from it by an ulp, ours being the closer to exact.)"""
@@ -116,3 +116,30 @@ def _log_softmax_backward_data(ctx, grad, output, dim, input_dtype):
         return hlo.subtract(grad, hlo.multiply(hlo.exponential(output), _reduce_keep(grad, dim, hlo.add, 0)))
 
     return _over_dim(ctx, grad, dim, body)
+
+
+@register_lowering(aten._weight_norm_interface_backward.default)
+def _weight_norm_interface_backward(ctx, grad_w, v, g, norm, dim):
+    """The gradient of ``w = v * (g / norm)``, ``norm`` being ``||v||`` over every dim but ``dim``:
+    ``grad_g = sum(grad_w * v) / norm`` and ``grad_v = (g / norm) * (grad_w - v * grad_g / norm)``, sums over
+    the same dims. Autograd asks for it when the fused forward (``torch._weight_norm`` with ``dim`` first or
+    last) ran, whose table decomposition saves ``norm``; a ``dim`` outside ``[0, rank)`` means the whole
+    tensor, as in that decomposition. Low-precision tensors are computed in f32 (where ``norm`` already is)."""
+    grad_v_spec, grad_g_spec = ctx.avals_out
+    compute = builder.accumulator_dtype(grad_v_spec.dtype)
+    shape = builder.shape_of(v)
+    dims = [d for d in range(len(shape)) if d != dim]
+    kept = [1 if d in dims else s for d, s in enumerate(shape)]  # g and norm: one value per slice along dim
+
+    def spread(value):
+        return builder.broadcast_to(value, shape)
+
+    grad_w, v = builder.convert(grad_w, compute), builder.convert(v, compute)
+    g, norm = (builder.reshape(builder.convert(t, compute), kept) for t in (g, norm))
+    grad_g = hlo.divide(builder.reshape(builder.reduce_sum(hlo.multiply(grad_w, v), dims), kept), norm)
+    grad_v = hlo.multiply(spread(hlo.divide(g, norm)),
+                          hlo.subtract(grad_w, hlo.multiply(v, spread(hlo.divide(grad_g, norm)))))
+    return (
+        builder.convert(grad_v, grad_v_spec.dtype),
+        builder.reshape(builder.convert(grad_g, grad_g_spec.dtype), grad_g_spec.shape),
+    )
