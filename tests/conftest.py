@@ -90,9 +90,21 @@ def _fresh_dynamo():
 def opinfo_floor_sweep(tmp_path_factory) -> tuple[list[dict], pathlib.Path]:
     """The OpInfo floor's samples (``floor.json``: the first samples of every op, float32), run once with a
     persistent cache of their own: (every sample's outcome, the cache). The floor test reads the outcomes; the
-    warm-start test replays the programs from the cache in another fresh process."""
+    warm-start test replays the programs from the cache in another fresh process. Under pytest-xdist each
+    worker has its own session: the first to ask runs the sweep in the folder the workers share, under a file
+    lock, and the others read its results."""
+    from filelock import FileLock
+
     from tests.opinfo.runs import FLOOR, run_sweep
 
-    root = tmp_path_factory.mktemp("opinfo")
-    floor = json.loads(FLOOR.read_text())
-    return run_sweep(root / "cache", "read-write", floor["max_samples"], root / "cold.json"), root / "cache"
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent  # the run's folder, above each worker's own
+    root = shared / "opinfo-floor"
+    with FileLock(str(shared / "opinfo-floor.lock")):
+        cold = root / "cold.json"
+        if cold.exists():
+            return json.loads(cold.read_text()), root / "cache"
+        root.mkdir(parents=True, exist_ok=True)
+        floor = json.loads(FLOOR.read_text())
+        return run_sweep(root / "cache", "read-write", floor["max_samples"], cold), root / "cache"

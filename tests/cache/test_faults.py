@@ -215,6 +215,12 @@ def g(x, y):
     return torch.sigmoid(x @ y) - 1
 
 
+_WARM_RUN = r"""
+from tests.cache.cache_helpers import compile_and_run
+from tests.cache.test_faults import f, _inputs
+compile_and_run(f, *_inputs())
+"""
+
 _READ_ONLY_RUN = r"""
 import json, torch
 from tests.cache.cache_helpers import compile_and_run
@@ -248,8 +254,11 @@ def test_read_only_directory_is_read_never_written(cache_dir):
     wrap = _without_write_permission()
     if wrap is None:
         pytest.skip("running as root without setpriv: chmod cannot take write permission away")
-    x, y = _inputs()
-    compile_and_run(f, x, y)
+    # the warm entry comes from a fresh process too: keys hold process-wide state (custom ops and JAX
+    # lowerings other tests registered), which the reading process must share with the writer
+    warm = subprocess.run([sys.executable, "-c", _WARM_RUN], capture_output=True, text=True, timeout=300,
+                          cwd=os.getcwd())
+    assert warm.returncode == 0, warm.stderr[-3000:]
     before = _snapshot(cache_dir)
     for path in [cache_dir, *cache_dir.rglob("*")]:
         path.chmod(path.stat().st_mode & ~0o222)

@@ -11,29 +11,19 @@ from tests.support import assert_compiles_like_eager
     ((2, 3, 9, 11), (2, 3), (4, 5)),
     ((1, 2, 7, 6), (3, 2), (3, 4)),
     ((3, 10, 10), (2, 2), (5, 1)),  # unbatched; one output row sits at the edge
+    ((2, 2, 5, 7, 6), (2, 2, 3), (3, 4, 2)),
+    ((2, 6, 5, 5), (2, 2, 2), (4, 3, 3)),  # unbatched 3-d
 ])
-def test_fractional_max_pool2d(shape, kernel, output):
+def test_fractional_max_pool(shape, kernel, output):
     torch.manual_seed(0)
     x = torch.randn(*shape)
-    batch_channels = (shape[0], shape[1]) if len(shape) == 4 else (1, shape[0])
-    samples = torch.rand(*batch_channels, 2)
+    dims = len(kernel)
+    batch_channels = (shape[0], shape[1]) if len(shape) == dims + 2 else (1, shape[0])
+    samples = torch.rand(*batch_channels, dims)
+    pool_fn = F.fractional_max_pool2d if dims == 2 else F.fractional_max_pool3d
 
     def pool(x):
-        return F.fractional_max_pool2d(x, kernel, output_size=output, return_indices=True, _random_samples=samples)
-
-    assert_compiles_like_eager(pool, x, grad=True)
-
-
-@pytest.mark.parametrize("shape, kernel, output", [((2, 2, 5, 7, 6), (2, 2, 3), (3, 4, 2)),
-                                                   ((2, 6, 5, 5), (2, 2, 2), (4, 3, 3))])
-def test_fractional_max_pool3d(shape, kernel, output):
-    torch.manual_seed(0)
-    x = torch.randn(*shape)
-    batch_channels = (shape[0], shape[1]) if len(shape) == 5 else (1, shape[0])
-    samples = torch.rand(*batch_channels, 3)
-
-    def pool(x):
-        return F.fractional_max_pool3d(x, kernel, output_size=output, return_indices=True, _random_samples=samples)
+        return pool_fn(x, kernel, output_size=output, return_indices=True, _random_samples=samples)
 
     assert_compiles_like_eager(pool, x, grad=True)
 

@@ -297,7 +297,7 @@ def test_transformer_encoder_trains_like_eager(norm_first):
 
 def test_transformer_trains_like_eager():
     torch.manual_seed(0)
-    model = torch.nn.Transformer(32, 4, num_encoder_layers=2, num_decoder_layers=2, dim_feedforward=64,
+    model = torch.nn.Transformer(32, 4, num_encoder_layers=1, num_decoder_layers=1, dim_feedforward=64,
                                  dropout=0.0, batch_first=True)
     causal = torch.nn.Transformer.generate_square_subsequent_mask(6)
     _train_compare(model, torch.randn(2, 8, 32), torch.randn(2, 6, 32), tgt_mask=causal, tgt_is_causal=True)

@@ -1,8 +1,8 @@
 """The ModuleInfo floor: PyTorch's own module database trained and run through tpucompile, against eager.
 
-Every module of ``common_modules.module_db`` is run on its first samples (``floor.json`` says how many) in
-training mode (outputs, input and parameter gradients, buffers) and in eval mode under ``no_grad`` (its
-inference fast paths), float32, and in training mode under bfloat16 autocast. The pass count per mode may not
+Every module of ``common_modules.module_db`` is run on its first samples in training mode (outputs, input and
+parameter gradients, buffers; two samples), and on its first sample in eval mode under ``no_grad`` (its
+inference fast paths) and in training mode under bfloat16 autocast. The pass count per mode may not
 drop and no sample that passed may stop passing. Regenerate the floor after a fix with
 ``python -m tests.moduleinfo.test_moduleinfo --write-floor`` (``--from-json A.json B.json`` takes it from
 sweeps' outputs); ``docs/coverage.md`` lists every sample that
@@ -22,12 +22,14 @@ import torch
 from tests.moduleinfo import sweep
 
 FLOOR = pathlib.Path(__file__).with_name("floor.json")
-RUNS = {"train float32": ("train", False), "eval float32": ("eval", False), "train float32+autocast": ("train", True)}
-"""The floor's runs: (mode, bfloat16 autocast) by the key their results are summarised under."""
+RUNS = {"train float32": ("train", False, 2), "eval float32": ("eval", False, 1),
+        "train float32+autocast": ("train", True, 1)}
+"""The floor's runs: (mode, bfloat16 autocast, samples per module) by the key their results are summarised
+under."""
 
 
-def _run(key: str, max_samples: int) -> list[sweep.SampleResult]:
-    mode, autocast = RUNS[key]
+def _run(key: str) -> list[sweep.SampleResult]:
+    mode, autocast, max_samples = RUNS[key]
     warnings.filterwarnings("ignore")
     return sweep.sweep(sweep.load_module_db(), [mode], torch.float32, max_samples, autocast=autocast)
 
@@ -39,7 +41,7 @@ def _passing(results: list[sweep.SampleResult]) -> set[str]:
 @pytest.mark.parametrize("key", list(RUNS))
 def test_moduleinfo_floor(key):
     floor = json.loads(FLOOR.read_text())
-    results = _run(key, floor["max_samples"])
+    results = _run(key)
     passing = _passing(results)
     regressed = sorted(set(floor["runs"][key]["passing"]) - passing)
     failures = {f"{r.module}|{r.index}": f"{r.outcome}: {r.detail[:200]}" for r in results
@@ -48,19 +50,19 @@ def test_moduleinfo_floor(key):
     assert len(passing) >= floor["runs"][key]["min_pass"], (len(passing), floor["runs"][key]["min_pass"])
 
 
-def write_floor(max_samples: int = 2, from_json: list[str] = ()) -> None:
+def write_floor(from_json: list[str] = ()) -> None:
     """Record the floor from fresh runs, or from sweeps' ``--json`` outputs (their first samples per module)."""
     loaded = [sweep.SampleResult(**r) for name in from_json for r in json.loads(pathlib.Path(name).read_text())]
     runs = {}
     for key in RUNS:
-        results = ([r for r in loaded if f"{r.mode} {r.dtype}" == key and r.index < max_samples] if from_json
-                   else _run(key, max_samples))
+        results = ([r for r in loaded if f"{r.mode} {r.dtype}" == key and r.index < RUNS[key][2]] if from_json
+                   else _run(key))
         passing = sorted(_passing(results))
         counter = sweep.summarize(results)[key]
         runs[key] = {"min_pass": len(passing), "pass_rate": round(sweep.pass_rate(counter), 4), "outcomes": counter,
                      "passing": passing}
         print(f"{key}: {counter}, pass rate {100 * sweep.pass_rate(counter):.1f}%")
-    FLOOR.write_text(json.dumps({"max_samples": max_samples, "runs": runs}, indent=0) + "\n")
+    FLOOR.write_text(json.dumps({"runs": runs}, indent=0) + "\n")
 
 
 if __name__ == "__main__":

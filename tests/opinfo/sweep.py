@@ -184,6 +184,22 @@ def classify_error(error: BaseException) -> tuple[str, str]:
     return "crash", f"{name}: {text}"
 
 
+def _run_compiled(opinfo: Any, run: Any) -> tuple[Any, tuple[str, str] | None]:
+    """``(run(the op compiled), None)``, or ``(None, (outcome, detail))`` when compiling or running it failed
+    (classified, never re-raised: a sweep must survive every op) or compiled no graph."""
+    torch._dynamo.reset()
+    compiled = torch.compile(opinfo.op, backend="tpucompile", fullgraph=True, options={"fallback": "error"})
+    before = driver.graphs_compiled()
+    try:
+        torch.manual_seed(0)
+        actual = run(compiled)
+    except Exception as error:
+        return None, classify_error(error)
+    if driver.graphs_compiled() == before:
+        return None, ("no-graph", "")
+    return actual, None
+
+
 def run_sample(opinfo: Any, dtype: torch.dtype, sample: Any) -> tuple[str, str]:
     """Classify one sample; see the module docstring for the outcomes."""
     try:
@@ -197,16 +213,9 @@ def run_sample(opinfo: Any, dtype: torch.dtype, sample: Any) -> tuple[str, str]:
             return "random", ""
     except Exception:
         return "skip", "eager raised"
-    torch._dynamo.reset()
-    compiled = torch.compile(opinfo.op, backend="tpucompile", fullgraph=True, options={"fallback": "error"})
-    before = driver.graphs_compiled()
-    try:
-        torch.manual_seed(0)
-        actual = _call(opinfo, sample, compiled)
-    except Exception as error:  # classified, never re-raised: a sweep must survive every op
-        return classify_error(error)
-    if driver.graphs_compiled() == before:
-        return "no-graph", ""
+    actual, failed = _run_compiled(opinfo, lambda compiled: _call(opinfo, sample, compiled))
+    if failed is not None:
+        return failed
     if undefined:
         reason = _same_layout(actual, expected)
         return ("pass", "") if reason is None else ("mismatch", reason)
@@ -247,16 +256,9 @@ def run_gradient_sample(opinfo: Any, dtype: torch.dtype, sample: Any) -> tuple[s
             return "random", ""
     except Exception:
         return "skip", "eager raised"
-    torch._dynamo.reset()
-    compiled = torch.compile(opinfo.op, backend="tpucompile", fullgraph=True, options={"fallback": "error"})
-    before = driver.graphs_compiled()
-    try:
-        torch.manual_seed(0)
-        actual = _gradients(opinfo, sample, compiled)
-    except Exception as error:  # classified, never re-raised
-        return classify_error(error)
-    if driver.graphs_compiled() == before:
-        return "no-graph", ""
+    actual, failed = _run_compiled(opinfo, lambda compiled: _gradients(opinfo, sample, compiled))
+    if failed is not None:
+        return failed
     if actual is None:
         return "mismatch", "the compiled outputs carry no gradient"
     rtol, atol = _tolerance(opinfo, dtype)

@@ -158,12 +158,8 @@ def efficient_backward(grad_out, query, key, value, attn_bias, out, logsumexp, p
 
 def flash(query, key, value, dropout_p=0.0, is_causal=False, return_debug_mask=False, *, scale=None,
           kernel=False):
-    if dropout_p or return_debug_mask:
-        return NotImplemented
-    out, lse = attention_forward(query, key, value, None, is_causal, scale, kernel)
-    empty = query.new_empty(0, dtype=torch.int32)
-    return (out, lse, empty, empty, query.shape[-2], key.shape[-2], _seed(query), _seed(query),
-            query.new_empty(0))
+    return with_bias(query, key, value, None, True, dropout_p, is_causal, return_debug_mask, scale=scale,
+                     kernel=kernel)
 
 
 def flash_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
@@ -175,7 +171,7 @@ def flash_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_s
 
 def with_bias(query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0, is_causal=False,
               return_debug_mask=False, *, scale=None, kernel=False):
-    """The cuDNN kernel's forward (its bias is an additive mask)."""
+    """The cuDNN kernel's forward (its bias is an additive mask); the flash kernel's, without a bias."""
     if dropout_p or return_debug_mask:
         return NotImplemented
     out, lse = attention_forward(query, key, value, attn_bias, is_causal, scale, kernel)
