@@ -388,8 +388,27 @@ def write_markdown(results: list[SampleResult], path: str, command: str) -> None
     for r in failures:
         detail = r.detail.replace("|", "\\|").replace("\n", " ")[:200]
         lines.append(f"| {r.op} | {r.dtype} | {r.index} | {r.outcome} | {detail} |")
+    kept = _kept_section(path)
+    if kept:  # after the totals table
+        at = lines.index("## Per op")
+        lines[at:at] = [kept, ""]
     with open(path, "w") as out:
         out.write("\n".join(lines) + "\n")
+
+
+KEPT_BEGIN, KEPT_END = "<!-- kept: modules and gradients -->", "<!-- /kept -->"
+
+
+def _kept_section(path: str) -> str:
+    """The block of the existing report between ``KEPT_BEGIN`` and ``KEPT_END`` (the ModuleInfo and gradient
+    figures, written from other sweeps), which regenerating the OpInfo report keeps."""
+    try:
+        with open(path) as source:
+            text = source.read()
+    except OSError:
+        return ""
+    start, end = text.find(KEPT_BEGIN), text.find(KEPT_END)
+    return text[start:end + len(KEPT_END)] if 0 <= start < end else ""
 
 
 def _run_in_processes(argv: list[str], jobs: int) -> list[SampleResult]:
