@@ -34,6 +34,20 @@ def pytest_configure(config):
     settle_vector_math_dispatch()
 
 
+LONGEST_FIRST = ("tests/cache/test_warm_custom_calls.py", "tests/opinfo/", "tests/moduleinfo/",
+                 "tests/test_sharding.py", "tests/test_examples.py")
+"""Files that take minutes (sweeps in subprocesses, examples): collected first, so that parallel workers
+(pytest-xdist hands out whole files in collection order) start them while the short files fill the rest."""
+
+
+def pytest_collection_modifyitems(session, config, items):
+    def rank(item) -> int:
+        path = item.nodeid.split("::")[0]
+        return next((i for i, prefix in enumerate(LONGEST_FIRST) if path.startswith(prefix)), len(LONGEST_FIRST))
+
+    items.sort(key=rank)  # stable: the order within each file, and among the rest, is kept
+
+
 def pytest_unconfigure(config):
     """Remove the session's cache dir (see ``pytest_configure``)."""
     if _CACHE_DIR is not None:
