@@ -313,3 +313,14 @@ def test_multihead_attention_with_dropout_compiles_whole():
     out = torch.compile(module, backend="tpucompile", fullgraph=True)(x, x, x, need_weights=False)[0]
     out.sum().backward()
     assert torch.isfinite(x.grad).all() and x.grad.abs().sum() > 0
+
+
+def test_float64_is_computed_in_float64():
+    """PyTorch's CPU kernel computes float64 attention in float64 (its log-sum-exp too): so does the pair."""
+    query, key, value = _inputs(dtype=torch.float64)
+    assert fused_attention.flash_for_cpu(query, key, value)[1].dtype == torch.float64
+
+    def fused(q, k, v):
+        return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)[0]
+
+    _compare(fused, fused, (query, key, value), atol=1e-10)

@@ -52,14 +52,16 @@ def _fold_heads(grad: torch.Tensor, heads: int) -> torch.Tensor:
 
 def _masked_scores(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None, causal: bool,
                    scale: float) -> torch.Tensor:
-    """The scaled scores in float32, with the causal (top-left aligned) and boolean or additive masks."""
-    scores = torch.matmul(query, _expand_heads(query, key).transpose(-2, -1)).float() * scale
+    """The scaled scores in float32 (float64 for float64 inputs), with the causal (top-left aligned) and
+    boolean or additive masks."""
+    dtype = _computation_dtype(query)
+    scores = torch.matmul(query, _expand_heads(query, key).transpose(-2, -1)).to(dtype) * scale
     if causal:
         length_q, length_k = scores.shape[-2:]
         keep = torch.ones(length_q, length_k, dtype=torch.bool, device=scores.device).tril()
         scores = scores.masked_fill(~keep, float("-inf"))
     if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask.float()
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask.to(dtype)
     return scores
 
 
@@ -72,7 +74,8 @@ def _probabilities(scores: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
 
 def attention_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
                       causal: bool, scale: float | None, kernel: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(output, lse)``: the output in the query's dtype, ``lse`` float32 of shape ``(batch, heads, q_len)``."""
+    """``(output, lse)``: the output in the query's dtype, ``lse`` of shape ``(batch, heads, q_len)`` in float32
+    (float64 for float64 inputs)."""
     scale = _scale(query, scale)
     if kernel and mask is None and attention_ops.kernel_refusal(query, key, value, causal) is None:
         return attention_ops.attention(query, _expand_heads(query, key), _expand_heads(query, value), causal, scale)
@@ -94,14 +97,15 @@ def attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.T
         grad_query, grad_key, grad_value = attention_ops.attention_backward(
             grad_out, query, _expand_heads(query, key), _expand_heads(query, value), out, lse, causal, scale)
         return grad_query, _fold_heads(grad_key, heads), _fold_heads(grad_value, heads), None
-    probabilities = _probabilities(_masked_scores(query, key, mask, causal, scale), lse)
-    grad = grad_out.float()
+    dtype = _computation_dtype(query)
+    probabilities = _probabilities(_masked_scores(query, key, mask, causal, scale), lse.to(dtype))
+    grad = grad_out.to(dtype)
     grad_value = torch.matmul(probabilities.transpose(-2, -1), grad)
-    grad_probabilities = torch.matmul(grad, _expand_heads(query, value).float().transpose(-2, -1))
-    row = (grad * out.float()).sum(dim=-1, keepdim=True)
+    grad_probabilities = torch.matmul(grad, _expand_heads(query, value).to(dtype).transpose(-2, -1))
+    row = (grad * out.to(dtype)).sum(dim=-1, keepdim=True)
     grad_scores = probabilities * (grad_probabilities - row)
-    grad_query = torch.matmul(grad_scores, _expand_heads(query, key).float()) * scale
-    grad_key = torch.matmul(grad_scores.transpose(-2, -1), query.float()) * scale
+    grad_query = torch.matmul(grad_scores, _expand_heads(query, key).to(dtype)) * scale
+    grad_key = torch.matmul(grad_scores.transpose(-2, -1), query.to(dtype)) * scale
     grad_mask = None
     if mask is not None and mask.dtype != torch.bool:
         grad_mask = _sum_to(grad_scores, mask.shape).to(mask.dtype)
@@ -122,15 +126,14 @@ def _sum_to(grad: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
 def flash_for_cpu(query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None, kernel=False):
     if dropout_p:
         return NotImplemented
-    out, lse = attention_forward(query, key, value, attn_mask, is_causal, scale, kernel)
-    return out, lse.to(_lse_dtype(query))
+    return attention_forward(query, key, value, attn_mask, is_causal, scale, kernel)
 
 
 def flash_for_cpu_backward(grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, *, attn_mask=None,
                            scale=None, kernel=False):
     if dropout_p:
         return NotImplemented
-    return attention_backward(grad_out, query, key, value, out, logsumexp.float(), attn_mask, is_causal, scale,
+    return attention_backward(grad_out, query, key, value, out, logsumexp, attn_mask, is_causal, scale,
                               kernel)[:3]
 
 
@@ -203,7 +206,8 @@ def overrideable_backward(grad_out, query, key, value, attn_bias, grad_input_mas
     return (*grads[:3], grads[3] if attn_bias is not None and grad_input_mask[3] else None)
 
 
-def _lse_dtype(query: torch.Tensor) -> torch.dtype:
+def _computation_dtype(query: torch.Tensor) -> torch.dtype:
+    """What the kernels compute scores and the log-sum-exp in: float64 for float64, else float32."""
     return torch.float64 if query.dtype == torch.float64 else torch.float32
 
 
