@@ -6,25 +6,38 @@ differentiate: the kernel never writes the scores to memory, and its backward re
 row log-sum-exp the forward returns. These custom ops keep it whole through AOTAutograd; their lowering
 (``lowering/rules/attention.py``) picks the kernel per platform.
 
-Layout is PyTorch's: ``(batch, heads, length, head_dim)``, the same number of heads in query, key and value
-(grouped-query attention repeats key and value heads before the call). ``lse`` is the log-sum-exp of each
-query row of the scaled (and causally masked) scores, in float32. The eager implementations compute the math
-form in float32, as the lowering does on platforms without the kernel.
+Layout is PyTorch's: ``(batch, heads, length, head_dim)``. Key and value may have fewer heads than the query
+(grouped-query attention): query head ``h`` reads key/value head ``h // (heads / kv_heads)``, as
+``repeat_kv`` and ``enable_gqa`` arrange it, and the kernel reads each key/value head once.
+
+The mask is a description, never a tensor of scores' shape: query ``i`` sees key ``j`` where
+``i - j <= left`` (unless ``left < 0``), ``j - i <= right`` (unless ``right < 0``) and, given
+``kv_valid`` (boolean, ``(batch, kv_len)``), ``kv_valid[b, j]``. So ``right = 0`` is causal attention,
+``left = w - 1, right = 0`` a causal sliding window of ``w`` keys, and ``kv_valid`` a padding mask. A query
+row that sees no key gets zeros (PyTorch's attention gives zeros there too) and an ``lse`` of -inf.
+
+``lse`` is the log-sum-exp of each query row of the scaled, masked scores, in float32. The eager
+implementations compute the math form in float32, as the lowering does on platforms without the kernel.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["KERNEL_BLOCK", "attention", "attention_backward", "kernel_refusal"]
+__all__ = ["KERNEL_BLOCK", "attention", "attention_backward", "expand_heads", "fold_heads", "keep_mask",
+           "kernel_refusal"]
 
 KERNEL_BLOCK = 128
-"""The kernel's tile along the sequence and head dims: lengths and head sizes must be multiples of it."""
+"""The kernel's tile along the sequence: lengths must be multiples of it."""
+
+HEAD_SIZES = range(32, 257, 16)
+"""Head sizes the kernel is compiled for (one tile holds a whole head)."""
 
 
-def kernel_refusal(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, causal: bool) -> str | None:
+def kernel_refusal(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, banded: bool) -> str | None:
     """None when the TPU kernel takes attention of these (possibly fake) tensors, else why not. Key and value
-    may have fewer heads than the query (grouped-query attention, repeated before the call)."""
+    may have fewer heads than the query (grouped-query attention); ``banded``: the mask bounds ``j - i`` or
+    ``i - j`` (causal or a window), which the kernel aligns top-left on equal lengths only."""
     values = (query, key, value)
     if any(t.dim() != 4 for t in values) or query.dtype != key.dtype or key.dtype != value.dtype:
         return "it is not 4-d attention with one dtype"
@@ -34,72 +47,108 @@ def kernel_refusal(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
         return "its sizes are symbolic"
     if key.shape[-3] != value.shape[-3] or query.shape[-3] % key.shape[-3]:
         return "its key and value heads do not divide its query heads"
-    if query.shape[-1] != key.shape[-1] or key.shape[-1] != value.shape[-1] or query.shape[-1] % KERNEL_BLOCK:
-        return f"its head size is not one multiple of {KERNEL_BLOCK}"
+    if query.shape[-1] != key.shape[-1] or key.shape[-1] != value.shape[-1]:
+        return "its query, key and value head sizes differ"
+    if query.shape[-1] not in HEAD_SIZES:
+        return f"its head size {query.shape[-1]} is not a multiple of 16 from 32 to 256"
     if query.shape[-2] % KERNEL_BLOCK or key.shape[-2] % KERNEL_BLOCK:
         return f"its lengths are not multiples of {KERNEL_BLOCK}"
-    if causal and query.shape[-2] != key.shape[-2]:
-        return "it is causal with unequal lengths"
+    if banded and query.shape[-2] != key.shape[-2]:
+        return "it is causal or windowed with unequal lengths"
     return None
 
 
-def _scores(query: torch.Tensor, key: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
-    scores = torch.matmul(query.float(), key.float().transpose(-2, -1)) * scale
-    if causal:
-        length_q, length_k = scores.shape[-2:]
-        above = torch.ones(length_q, length_k, dtype=torch.bool, device=scores.device).triu(1)
-        scores = scores.masked_fill(above, float("-inf"))
-    return scores
+def keep_mask(length_q: int, length_k: int, kv_valid: torch.Tensor | None, left: int, right: int,
+              device: torch.device) -> torch.Tensor | None:
+    """The boolean mask the description stands for, ``(length_q, length_k)`` or ``(batch, 1, length_q,
+    length_k)`` with ``kv_valid``; None when every key is seen."""
+    offset = torch.arange(length_k, device=device)[None, :] - torch.arange(length_q, device=device)[:, None]
+    keep = None
+    if left >= 0:
+        keep = offset >= -left
+    if right >= 0:
+        keep = offset <= right if keep is None else keep & (offset <= right)
+    if kv_valid is not None:
+        valid = kv_valid[:, None, None, :].to(torch.bool)
+        keep = valid if keep is None else keep & valid
+    return keep
+
+
+def expand_heads(query: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
+    """Key or value heads repeated to the query's (grouped-query attention); as it is otherwise."""
+    groups = query.shape[-3] // tensor.shape[-3]
+    return tensor if groups == 1 else tensor.repeat_interleave(groups, dim=-3)
+
+
+def fold_heads(grad: torch.Tensor, heads: int) -> torch.Tensor:
+    """The gradient of ``expand_heads``: each group of query heads summed into its key or value head."""
+    if grad.shape[-3] == heads:
+        return grad
+    return grad.unflatten(-3, (heads, grad.shape[-3] // heads)).sum(-3)
+
+
+def _scores(query, key, kv_valid, left: int, right: int, scale: float) -> torch.Tensor:
+    scores = torch.matmul(query.float(), expand_heads(query, key).float().transpose(-2, -1)) * scale
+    keep = keep_mask(scores.shape[-2], scores.shape[-1], kv_valid, left, right, scores.device)
+    return scores if keep is None else scores.masked_fill(~keep, float("-inf"))
+
+
+def _probabilities(scores: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """``exp(scores - lse)``, 0 on rows that see no key (``lse`` -inf)."""
+    finite = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
+    return torch.exp(scores - finite[..., None])
 
 
 @torch.library.custom_op("tpucompile::attention", mutates_args=())
-def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, causal: bool, scale: float
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(softmax(scale * q k^T, causally masked) v, logsumexp of each scaled score row)``."""
-    scores = _scores(query, key, causal, scale)
+def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_valid: torch.Tensor | None,
+              left: int, right: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(softmax(scale * q k^T, masked) v, logsumexp of each scaled, masked score row)``."""
+    scores = _scores(query, key, kv_valid, left, right, scale)
     lse = torch.logsumexp(scores, dim=-1)
-    out = torch.matmul(torch.exp(scores - lse[..., None]), value.float())
+    out = torch.matmul(_probabilities(scores, lse), expand_heads(query, value).float())
     return out.to(query.dtype), lse
 
 
 @attention.register_fake
-def _attention_fake(query, key, value, causal, scale):
+def _attention_fake(query, key, value, kv_valid, left, right, scale):
     return query.new_empty(query.shape), query.new_empty(query.shape[:-1], dtype=torch.float32)
 
 
 @torch.library.custom_op("tpucompile::attention_backward", mutates_args=())
 def attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                       out: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       out: torch.Tensor, lse: torch.Tensor, kv_valid: torch.Tensor | None, left: int,
+                       right: int, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of query, key and value, with the probabilities recomputed from ``lse``."""
-    probabilities = torch.exp(_scores(query, key, causal, scale) - lse[..., None])
+    probabilities = _probabilities(_scores(query, key, kv_valid, left, right, scale), lse)
     grad = grad_out.float()
     grad_value = torch.matmul(probabilities.transpose(-2, -1), grad)
-    grad_probabilities = torch.matmul(grad, value.float().transpose(-2, -1))
+    grad_probabilities = torch.matmul(grad, expand_heads(query, value).float().transpose(-2, -1))
     row = (grad * out.float()).sum(dim=-1, keepdim=True)
     grad_scores = probabilities * (grad_probabilities - row) * scale
-    grad_query = torch.matmul(grad_scores, key.float())
+    grad_query = torch.matmul(grad_scores, expand_heads(query, key).float())
     grad_key = torch.matmul(grad_scores.transpose(-2, -1), query.float())
-    return grad_query.to(query.dtype), grad_key.to(key.dtype), grad_value.to(value.dtype)
+    heads = key.shape[-3]
+    return (grad_query.to(query.dtype), fold_heads(grad_key, heads).to(key.dtype),
+            fold_heads(grad_value, heads).to(value.dtype))
 
 
 @attention_backward.register_fake
-def _attention_backward_fake(grad_out, query, key, value, out, lse, causal, scale):
+def _attention_backward_fake(grad_out, query, key, value, out, lse, kv_valid, left, right, scale):
     return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape)
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    query, key, value, causal, scale = inputs
+    query, key, value, kv_valid, left, right, scale = inputs
     out, lse = output
-    ctx.save_for_backward(query, key, value, out, lse)
-    ctx.causal, ctx.scale = causal, scale
+    ctx.save_for_backward(query, key, value, out, lse, kv_valid)
+    ctx.left, ctx.right, ctx.scale = left, right, scale
 
 
 def _backward(ctx, grad_out, grad_lse):
-    query, key, value, out, lse = ctx.saved_tensors
-    grad_query, grad_key, grad_value = attention_backward(grad_out, query, key, value, out, lse, ctx.causal,
-                                                          ctx.scale)
-    return grad_query, grad_key, grad_value, None, None
+    query, key, value, out, lse, kv_valid = ctx.saved_tensors
+    grad_query, grad_key, grad_value = attention_backward(grad_out, query, key, value, out, lse, kv_valid,
+                                                          ctx.left, ctx.right, ctx.scale)
+    return grad_query, grad_key, grad_value, None, None, None, None
 
 
 attention.register_autograd(_backward, setup_context=_setup_context)

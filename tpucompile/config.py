@@ -80,7 +80,9 @@ class Options:
     """How ``scaled_dot_product_attention`` is compiled: "auto" (a flash-attention kernel where the program is
     compiled for a TPU, by ``targets`` or on a TPU host, and the call's shapes fit it; the math form
     elsewhere), "kernel" (the kernel's op wherever shapes fit; platforms without the kernel lower it to the
-    math form, recomputing the scores in the backward), or "math" (always the math form)."""
+    math form, recomputing the scores in the backward), "math" (always the math form), or "interpret" (the
+    kernel's op wherever shapes fit, lowered on every platform to the TPU kernel run by Pallas' interpreter:
+    slow, for checking the kernel's values where no TPU is)."""
 
     donate: bool = True
     """Let programs take over the memory of arguments nothing else reads after them: values the forward saved
@@ -207,7 +209,7 @@ CACHE_MODES = ("read-write", "read-only", "off", "strict")
 """The values of ``cache_mode`` (the persistent cache enforces them too)."""
 HOST_KERNEL_MODES = ("auto", "on", "off")
 """The values of ``host_kernels``."""
-ATTENTION_MODES = ("auto", "kernel", "math")
+ATTENTION_MODES = ("auto", "kernel", "math", "interpret")
 """The values of ``attention``."""
 DYNAMIC_MODES = ("exact", "bucket")
 """The values of ``dynamic_mode``."""

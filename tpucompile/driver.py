@@ -155,7 +155,8 @@ def compile_graph(
     (``nonzero``, ``unique``) are compiled as regions of their own, whose padded results are cut to size on
     the host before the next region sees them.
     """
-    with jax_bridge.target_platform(_target(options).platform):  # which custom ops have a JAX lowering here
+    with (jax_bridge.target_platform(_target(options).platform),  # which custom ops have a JAX lowering here
+          jax_bridge.kernels_interpreted(options.attention == "interpret")):
         return _compile_graph(gm, options, name)
 
 
@@ -382,7 +383,7 @@ def custom_ops_lowered_whole(options: Options) -> frozenset[str]:
 def attention_kernel_wanted(options: Options) -> bool:
     """Whether attention goes to its kernel op (``options.attention``): in "auto", where a TPU compiles it."""
     if options.attention != "auto":
-        return options.attention == "kernel"
+        return options.attention in ("kernel", "interpret")
     if options.platform == "tpu" or any(target.startswith("tpu") for target in options.targets):
         return True
     if options.platform is None:  # through the runtime, which sets jax up before its backend starts

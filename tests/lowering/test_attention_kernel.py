@@ -1,6 +1,7 @@
-"""Attention through ``tpucompile::attention`` (the op a TPU compiles to jax's Pallas flash-attention kernel):
-the op's choice, its math lowering against eager (forward and backward), the kernel's numerics in Pallas'
-interpret mode against the math form, and the kernel in the programs compiled for a TPU target."""
+"""Attention through ``tpucompile::attention`` (the op a TPU compiles to jax's Pallas splash-attention
+kernel): the op's choice, its math lowering against eager (forward and backward), the kernel's numerics in
+Pallas' interpret mode against the math form and against eager, and the kernel in the programs compiled for a
+TPU target."""
 
 from __future__ import annotations
 
@@ -43,42 +44,67 @@ def test_grouped_query_attention_goes_through_the_kernel_op(aten_ops):
     assert aten_ops >= KERNEL_OPS
 
 
-@pytest.mark.parametrize("case", ["head-64", "length-200", "mask", "dropout-free-math-mode", "broadcast-heads"])
+@pytest.mark.parametrize("case", ["head-24", "length-200", "random-mask", "dropout-free-math-mode",
+                                  "broadcast-heads"])
 def test_calls_the_kernel_does_not_take_keep_the_math_form(aten_ops, case):
     """Including one key/value head broadcast over the query heads without ``enable_gqa`` (PyTorch broadcasts
-    it; only grouped-query attention is repeated into the kernel)."""
-    q, k, v = _qkv(torch.float32, head_dim=64) if case == "head-64" else _qkv(
+    it; only grouped-query attention goes to the kernel with fewer key/value heads)."""
+    q, k, v = _qkv(torch.float32, head_dim=24) if case == "head-24" else _qkv(
         torch.float32, length=200 if case == "length-200" else 128, kv_heads=1 if case == "broadcast-heads" else 4)
-    mask = torch.rand(q.shape[-2], k.shape[-2]) > 0.3 if case == "mask" else None
+    mask = torch.rand(q.shape[-2], k.shape[-2]) > 0.3 if case == "random-mask" else None
     mode = "math" if case == "dropout-free-math-mode" else "kernel"
     assert_compiles_like_eager(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask),
                                q, k, v, grad=True, attention=mode, atol=1e-4, rtol=1e-4)
     assert not KERNEL_OPS & aten_ops
 
 
-@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-def test_flash_kernel_in_interpret_mode_equals_the_math_form(causal):
-    """The TPU lowering's jax functions (the Pallas kernel's forward with its residuals folded into ``lse``, and
-    its two backward passes fed ``m = lse, l = 1``) run by Pallas' TPU interpreter on the CPU."""
+MASKS = {"causal": (-1, 0, False), "full": (-1, -1, False), "window": (47, 0, False),
+         "causal-padding": (-1, 0, True), "window-padding": (15, 0, True), "padding": (-1, -1, True),
+         "band": (-1, 3, False)}
+
+
+@pytest.mark.parametrize("mask", list(MASKS))
+@pytest.mark.parametrize("heads", [(4, 4), (4, 1), (8, 2)], ids=["mha", "mqa", "gqa"])
+def test_splash_kernel_in_interpret_mode_equals_the_math_form(mask, heads):
+    """The TPU lowering's jax functions (splash attention's forward with its log-sum-exp, and its backward
+    passes fed the saved output and log-sum-exp) run by Pallas' TPU interpreter on the CPU, for every mask
+    the op describes; with a band and padding, the first 40 rows of one batch row see no key (zeros,
+    lse -inf)."""
+    import functools
+
     import jax
     import jax.numpy as jnp
-    from jax.experimental.pallas import tpu as pltpu
 
     from tpucompile.lowering.rules import attention
 
+    left, right, padded = MASKS[mask]
     keys = jax.random.split(jax.random.PRNGKey(0), 4)
-    grad_out, query, key, value = (jax.random.normal(k, (1, 2, 256, 128), jnp.float32) for k in keys)
-    scale = 0.1
-    with pltpu.force_tpu_interpret_mode():
-        out, lse = jax.jit(lambda q, k, v: attention.flash_forward(q, k, v, causal=causal, scale=scale))(
-            query, key, value)
-        grads = jax.jit(lambda *a: attention.flash_backward(*a, causal=causal, scale=scale))(
-            grad_out, query, key, value, out, lse)
-    expected_out, expected_lse = attention.math_forward(query, key, value, causal=causal, scale=scale)
-    expected_grads = attention.math_backward(grad_out, query, key, value, expected_out, expected_lse,
-                                             causal=causal, scale=scale)
+    grad_out, query = (jax.random.normal(k, (2, heads[0], 256, 64), jnp.float32) for k in keys[:2])
+    key, value = (jax.random.normal(k, (2, heads[1], 256, 64), jnp.float32) for k in keys[2:])
+    valid = jnp.ones((2, 256), bool).at[1, :40].set(False).at[0, 200:].set(False) if padded else None
+    options = dict(left=left, right=right, scale=0.15)
+    out, lse = jax.jit(functools.partial(attention.splash_forward, interpret=True, **options))(
+        query, key, value, valid)
+    grads = jax.jit(functools.partial(attention.splash_backward, interpret=True, **options))(
+        grad_out, query, key, value, out, lse, valid)
+    expected_out, expected_lse = attention.math_forward(query, key, value, valid, **options)
+    expected_grads = attention.math_backward(grad_out, query, key, value, expected_out, expected_lse, valid,
+                                             **options)
+    assert bool(jnp.all(jnp.isneginf(lse) == jnp.isneginf(expected_lse)))
+    assert bool(jnp.any(jnp.isneginf(lse))) == (mask in ("causal-padding", "window-padding"))
     for got, expected in zip([out, lse, *grads], [expected_out, expected_lse, *expected_grads], strict=True):
-        assert float(jnp.max(jnp.abs(got - expected))) < 1e-4
+        difference = jnp.where(jnp.isneginf(expected), 0.0, got - expected)
+        assert float(jnp.max(jnp.abs(difference))) < 1e-4
+
+
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
+def test_kernel_route_in_interpret_mode_matches_eager_for_each_head_size(head_dim):
+    """``attention="interpret"``: the whole compiled program calls the splash kernel, run by Pallas'
+    interpreter, forward and backward, with a causal mask and grouped-query heads; values equal eager's."""
+    q, k, v = _qkv(torch.float32, heads=4, kv_heads=2, length=128, head_dim=head_dim, batch=1)
+    assert_compiles_like_eager(
+        lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
+        q, k, v, grad=True, attention="interpret", atol=1e-4, rtol=1e-4)
 
 
 @needs_libtpu

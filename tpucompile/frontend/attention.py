@@ -10,10 +10,17 @@ Where a program is compiled for a TPU, a call whose shapes the kernel takes goes
 ``tpucompile::attention`` (``attention_ops``), kept whole through autograd with its own backward: its TPU
 lowering is a flash-attention kernel that never writes the scores to memory and saves only the output and a
 log-sum-exp per row for the backward. Everywhere else that op lowers to the math form.
+
+The kernel never reads a mask tensor: a call with one takes the kernel only where ``attention_masks``
+proves from the graph that the mask is a causal or sliding-window band and/or a padding mask per batch row,
+which the op describes instead. Keys and values that the model repeated per query head (Hugging Face's
+``repeat_kv``: an unsqueeze, expand and reshape) go to the op unrepeated, as grouped-query attention.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -23,7 +30,8 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from tpucompile import attention_ops
-from tpucompile.frontend.decompositions import attention_scale, grouped_key_value, scaled_dot_product_attention
+from tpucompile.frontend.attention_masks import MaskPlan, prove_mask
+from tpucompile.frontend.decompositions import attention_scale, scaled_dot_product_attention
 from tpucompile.frontend.transforms import runs_functorch_transform
 
 _ATTENTION_TARGETS = {
@@ -45,14 +53,102 @@ def attention_with_kernel(
     scale: float | None = None,
     enable_gqa: bool = False,
 ) -> torch.Tensor:
-    """``scaled_dot_product_attention`` through ``tpucompile::attention`` (only for calls ``kernel_takes``)."""
-    key, value = grouped_key_value(query, key, value, enable_gqa)
-    return attention_ops.attention(query, key, value, bool(is_causal), float(attention_scale(query, scale)))[0]
+    """``scaled_dot_product_attention`` without a mask through ``tpucompile::attention`` (only for calls
+    ``_kernel_refusal`` passes)."""
+    return attention_ops.attention(query, key, value, None, -1, 0 if is_causal else -1,
+                                   float(attention_scale(query, scale)))[0]
 
 
-def kernel_takes(node: torch.fx.Node) -> str | None:
-    """None when the attention call ``node`` fits the kernel, else why not."""
-    return _kernel_refusal(node.args, node.kwargs, _example)
+def attention_with_plan(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_valid: torch.Tensor | None,
+                        left: int, right: int, scale: float) -> torch.Tensor:
+    """Attention with a proved mask (``MaskPlan``) through ``tpucompile::attention``."""
+    return attention_ops.attention(query, key, value, kv_valid, left, right, scale)[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelCall:
+    """How an attention node goes to the kernel: its (unrepeated) key and value and its proved mask."""
+
+    key: torch.fx.Node
+    value: torch.fx.Node
+    plan: MaskPlan
+    scale: float
+
+
+def kernel_call(node: torch.fx.Node) -> KernelCall | str:
+    """How the attention call ``node`` goes to the kernel, else why it does not."""
+    bound = dict(zip(_PARAMETERS, node.args, strict=False))
+    bound.update(node.kwargs)
+    query, key, value, mask = (bound.get(name) for name in ("query", "key", "value", "attn_mask"))
+    examples = [_example(v) for v in (query, key, value)]
+    if not all(isinstance(v, torch.Tensor) for v in examples) or not all(
+            isinstance(v, torch.fx.Node) for v in (query, key, value)):
+        return "query, key or value has no traced value"
+    if bound.get("dropout_p", 0.0) != 0.0 or not isinstance(bound.get("is_causal", False), bool):
+        return "it has dropout or a traced is_causal"
+    if not isinstance(bound.get("scale"), (int, float, type(None))):
+        return "its scale is traced"
+    if examples[0].dim() != 4:
+        return "it is not 4-d attention"
+    heads = examples[0].shape[-3]
+    key_heads, value_heads = _ungrouped(key, heads), _ungrouped(value, heads)
+    if _example(key_heads).shape[-3] != _example(value_heads).shape[-3]:
+        key_heads, value_heads = key, value
+    if examples[1].shape[-3] != heads and bound.get("enable_gqa") is not True:
+        return "its heads differ without grouped-query attention"
+    causal = bool(bound.get("is_causal", False))
+    batch, length_q, length_k = examples[0].shape[0], examples[0].shape[-2], examples[1].shape[-2]
+    if mask is None:
+        plan = MaskPlan(None, -1, 0 if causal else -1)
+    elif not isinstance(mask, torch.fx.Node) or not isinstance(_example(mask), torch.Tensor):
+        return "its mask has no traced value"
+    else:
+        additive = _example(mask).dtype != torch.bool
+        proved = prove_mask(mask, (batch, heads, length_q, length_k), additive=additive, causal=causal)
+        if isinstance(proved, str):
+            return f"its mask is not proved a band or padding: {proved}"
+        plan = proved
+    refusal = attention_ops.kernel_refusal(examples[0], _example(key_heads), _example(value_heads),
+                                           plan.left >= 0 or plan.right >= 0)
+    if refusal is not None:
+        return refusal
+    return KernelCall(key_heads, value_heads, plan, float(attention_scale(examples[0], bound.get("scale"))))
+
+
+def _ungrouped(node: torch.fx.Node, heads: int) -> torch.fx.Node:
+    """The key or value a ``repeat_kv`` (``x[:, :, None].expand(b, kv, g, n, d).reshape(b, kv * g, n, d)``)
+    or ``repeat_interleave(g, dim=1)`` made ``node`` from; ``node`` itself otherwise."""
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    if name == "repeat_interleave" and isinstance(node.args[0], torch.fx.Node):
+        source = node.args[0]
+        dim = node.kwargs.get("dim", node.args[2] if len(node.args) > 2 else None)
+        if dim in (1, -3) and _example(source).dim() == 4 and heads % _example(source).shape[1] == 0:
+            return source
+        return node
+    if name not in ("reshape", "view") or not isinstance(node.args[0], torch.fx.Node):
+        return node
+    expanded = node.args[0]
+    expand_name = expanded.target if expanded.op == "call_method" else ""
+    if expand_name != "expand" or not isinstance(expanded.args[0], torch.fx.Node):
+        return node
+    inserted = expanded.args[0]
+    if inserted.op == "call_function" and inserted.target is operator.getitem:
+        source, index = inserted.args
+        full = slice(None)
+        if index != (full, full, None, full, full) and index != (full, full, None):
+            return node
+    elif inserted.op == "call_method" and inserted.target == "unsqueeze" and tuple(inserted.args[1:]) == (2,):
+        source = inserted.args[0]
+    else:
+        return node
+    if not isinstance(source, torch.fx.Node):
+        return node
+    shape = tuple(_example(source).shape)
+    if len(shape) != 4 or heads % shape[1] or tuple(_example(expanded).shape) != (
+            shape[0], shape[1], heads // shape[1], shape[2], shape[3]) or tuple(_example(node).shape) != (
+            shape[0], heads, shape[2], shape[3]):
+        return node
+    return source
 
 
 def _kernel_refusal(args: tuple, kwargs: dict[str, Any], example: Callable[[Any], Any] = lambda v: v) -> str | None:
@@ -115,6 +211,7 @@ def rewrite_attention(gm: torch.fx.GraphModule, kernel: bool = False) -> int:
     attention inside them (``F.multi_head_attention_forward``) run with their attention routed the same way:
     otherwise PyTorch's fused kernel would reach autograd, whose backward is another fused kernel."""
     rewritten = 0
+    replaced: list[torch.fx.Node] = []
     transformed = runs_functorch_transform(gm)
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target in _HIDING_ATTENTION:
@@ -124,17 +221,59 @@ def rewrite_attention(gm: torch.fx.GraphModule, kernel: bool = False) -> int:
             rewritten += 1
         elif node.op == "call_function" and node.target in _ATTENTION_TARGETS:
             if not kernel:
-                why_not = "no kernel for this target"
+                call = "no kernel for this target"
             elif transformed:  # torch.func.grad cannot differentiate a custom op's autograd formula
-                why_not = "it is inside a torch.func transform"
+                call = "it is inside a torch.func transform"
             else:
-                why_not = kernel_takes(node)
-            node.target = attention_with_kernel if why_not is None else scaled_dot_product_attention
-            node.meta["attention"] = "kernel" if why_not is None else f"math: {why_not}"
+                call = kernel_call(node)
+            if isinstance(call, KernelCall):
+                replaced.extend(a for a in node.all_input_nodes)
+                query = node.args[0] if node.args else node.kwargs["query"]
+                node.target = attention_with_plan
+                node.args = (query, call.key, call.value, call.plan.kv_valid, call.plan.left, call.plan.right,
+                             call.scale)
+                node.kwargs = {}
+                node.meta["attention"] = f"kernel: {call.plan.describe()}"
+            else:
+                node.target = scaled_dot_product_attention
+                node.meta["attention"] = f"math: {call}"
             rewritten += 1
     if rewritten:
+        _drop_unused(gm, replaced)
         gm.recompile()
     return rewritten
+
+
+def _drop_unused(gm: torch.fx.GraphModule, candidates: list[torch.fx.Node]) -> None:
+    """Remove the nodes a rerouted call no longer reads (its mask's and its repeated keys' computation),
+    where nothing else reads them and they are not in-place ops."""
+    pending, erased = list(candidates), set()
+    while pending:
+        node = pending.pop()
+        if (node in erased or node.op not in ("call_function", "call_method") or node.users
+                or _in_place(node) or node.is_impure()):
+            continue
+        inputs = node.all_input_nodes
+        gm.graph.erase_node(node)
+        erased.add(node)
+        pending.extend(inputs)
+
+
+def _in_place(node: torch.fx.Node) -> bool:
+    """Whether ``node`` may write to its input (``x.add_(y)``, ``torch.relu_``, ``operator.iadd``)."""
+    name = str(node.target if node.op == "call_method" else getattr(node.target, "__name__", ""))
+    if name.startswith("__"):
+        return name.startswith("__i") and name[3:-2] in _AUGMENTED
+    if name in ("and_", "or_", "not_"):
+        return False
+    return name.endswith("_") or (node.target in _IN_PLACE_OPERATORS)
+
+
+_AUGMENTED = {"add", "sub", "mul", "and", "or", "xor", "truediv", "floordiv", "mod", "lshift", "rshift", "pow",
+              "matmul"}
+_IN_PLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.iand, operator.ior, operator.ixor,
+                       operator.itruediv, operator.ifloordiv, operator.imod, operator.ilshift, operator.irshift,
+                       operator.ipow, operator.imatmul, operator.setitem}
 
 
 def _example(value: Any) -> Any:

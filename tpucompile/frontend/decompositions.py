@@ -86,10 +86,23 @@ def scaled_dot_product_attention(
             scores = scores.masked_fill(~attn_mask, float("-inf"))
         else:
             scores = scores + attn_mask
-    weights = torch.softmax(scores, dim=-1)
+        weights = _softmax_of_masked(scores)
+    else:
+        weights = torch.softmax(scores, dim=-1)
     if dropout_p > 0.0:
         weights = torch.nn.functional.dropout(weights, p=dropout_p)
     return torch.matmul(weights, value)
+
+
+def _softmax_of_masked(scores: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dim, 0 on rows whose every score is -inf (a query that sees no key: a padded row
+    under a causal mask), as PyTorch's attention gives; the plain softmax gives NaN there, forward and
+    backward."""
+    row_max = scores.amax(dim=-1, keepdim=True)
+    row_max = torch.where(torch.isneginf(row_max), torch.zeros_like(row_max), row_max)
+    exponentials = torch.exp(scores - row_max)
+    total = exponentials.sum(dim=-1, keepdim=True)
+    return exponentials / torch.where(total == 0, torch.ones_like(total), total)
 
 
 def batch_norm_functional(

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from tpucompile import attention_ops
+from tpucompile.attention_ops import expand_heads, fold_heads
 
 aten = torch.ops.aten
 
@@ -37,25 +38,12 @@ def _scale(query: torch.Tensor, scale: float | None) -> float:
     return query.shape[-1] ** -0.5 if scale is None else scale
 
 
-def _expand_heads(query: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
-    """Key or value heads repeated to the query's (grouped-query attention); as it is otherwise."""
-    groups = query.shape[-3] // tensor.shape[-3]
-    return tensor if groups == 1 else tensor.repeat_interleave(groups, dim=-3)
-
-
-def _fold_heads(grad: torch.Tensor, heads: int) -> torch.Tensor:
-    """The gradient of ``_expand_heads``: each group of query heads summed into its key or value head."""
-    if grad.shape[-3] == heads:
-        return grad
-    return grad.unflatten(-3, (heads, grad.shape[-3] // heads)).sum(-3)
-
-
 def _masked_scores(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None, causal: bool,
                    scale: float) -> torch.Tensor:
     """The scaled scores in float32 (float64 for float64 inputs), with the causal (top-left aligned) and
     boolean or additive masks."""
     dtype = _computation_dtype(query)
-    scores = torch.matmul(query, _expand_heads(query, key).transpose(-2, -1)).to(dtype) * scale
+    scores = torch.matmul(query, expand_heads(query, key).transpose(-2, -1)).to(dtype) * scale
     if causal:
         length_q, length_k = scores.shape[-2:]
         keep = torch.ones(length_q, length_k, dtype=torch.bool, device=scores.device).tril()
@@ -78,11 +66,11 @@ def attention_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     (float64 for float64 inputs)."""
     scale = _scale(query, scale)
     if kernel and mask is None and attention_ops.kernel_refusal(query, key, value, causal) is None:
-        return attention_ops.attention(query, _expand_heads(query, key), _expand_heads(query, value), causal, scale)
+        return attention_ops.attention(query, key, value, None, -1, 0 if causal else -1, scale)
     scores = _masked_scores(query, key, mask, causal, scale)
     lse = torch.logsumexp(scores, dim=-1)
     weights = _probabilities(scores, lse).to(value.dtype)
-    return torch.matmul(weights, _expand_heads(query, value)).to(query.dtype), lse
+    return torch.matmul(weights, expand_heads(query, value)).to(query.dtype), lse
 
 
 def attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -94,23 +82,22 @@ def attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.T
     scale = _scale(query, scale)
     heads = key.shape[-3]
     if kernel and mask is None and attention_ops.kernel_refusal(query, key, value, causal) is None:
-        grad_query, grad_key, grad_value = attention_ops.attention_backward(
-            grad_out, query, _expand_heads(query, key), _expand_heads(query, value), out, lse, causal, scale)
-        return grad_query, _fold_heads(grad_key, heads), _fold_heads(grad_value, heads), None
+        return (*attention_ops.attention_backward(grad_out, query, key, value, out, lse, None, -1,
+                                                  0 if causal else -1, scale), None)
     dtype = _computation_dtype(query)
     probabilities = _probabilities(_masked_scores(query, key, mask, causal, scale), lse.to(dtype))
     grad = grad_out.to(dtype)
     grad_value = torch.matmul(probabilities.transpose(-2, -1), grad)
-    grad_probabilities = torch.matmul(grad, _expand_heads(query, value).to(dtype).transpose(-2, -1))
+    grad_probabilities = torch.matmul(grad, expand_heads(query, value).to(dtype).transpose(-2, -1))
     row = (grad * out.to(dtype)).sum(dim=-1, keepdim=True)
     grad_scores = probabilities * (grad_probabilities - row)
-    grad_query = torch.matmul(grad_scores, _expand_heads(query, key).to(dtype)) * scale
+    grad_query = torch.matmul(grad_scores, expand_heads(query, key).to(dtype)) * scale
     grad_key = torch.matmul(grad_scores.transpose(-2, -1), query.to(dtype)) * scale
     grad_mask = None
     if mask is not None and mask.dtype != torch.bool:
         grad_mask = _sum_to(grad_scores, mask.shape).to(mask.dtype)
-    return (grad_query.to(query.dtype), _fold_heads(grad_key, heads).to(key.dtype),
-            _fold_heads(grad_value, heads).to(value.dtype), grad_mask)
+    return (grad_query.to(query.dtype), fold_heads(grad_key, heads).to(key.dtype),
+            fold_heads(grad_value, heads).to(value.dtype), grad_mask)
 
 
 def _sum_to(grad: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:

@@ -103,6 +103,23 @@ def target_platform(platform: str | None) -> Iterator[None]:
         _local.platform = previous
 
 
+@contextlib.contextmanager
+def kernels_interpreted(interpret: bool) -> Iterator[None]:
+    """With ``interpret``, rules that call Pallas TPU kernels lower them in Pallas' interpret mode, for every
+    platform (to check a kernel's values where no TPU is), in this thread."""
+    previous = getattr(_local, "interpret", False)
+    _local.interpret = interpret
+    try:
+        yield
+    finally:
+        _local.interpret = previous
+
+
+def interpreting_kernels() -> bool:
+    """Whether Pallas TPU kernels are lowered in interpret mode here and now (``kernels_interpreted``)."""
+    return getattr(_local, "interpret", False)
+
+
 def holds_jax_lowerings(module: ir.Module) -> bool:
     """Whether ``module`` calls functions lowered from jax, whose text depends on the platform they were
     lowered for (a program without any is the same for every platform)."""
