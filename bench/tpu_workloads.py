@@ -146,7 +146,28 @@ def dlrm() -> TpuWorkload:
                        _reference("dlrm"), True)
 
 
+def hf_llama() -> TpuWorkload:
+    """Hugging Face's own ``LlamaForCausalLM``: 4 layers of width 1024, 8 query / 2 key-value heads of 128,
+    SwiGLU 2816, 4 x 1024 tokens with a padding mask (all ones, as a tokenizer gives for full rows), which
+    transformers turns into a boolean mask inside the graph. The reference calls the splash kernel."""
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=32768, hidden_size=1024, intermediate_size=2816,
+                                      num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
+                                      max_position_embeddings=1024, use_cache=False)
+    config._attn_implementation = "sdpa"
+    tokens, targets = _tokens(config.vocab_size, 4, 1024)
+    valid = torch.ones(4, 1024, dtype=torch.long)
+
+    def loss(net, tokens, valid, targets):
+        logits = net(input_ids=tokens, attention_mask=valid).logits
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+    return TpuWorkload("hf_llama", transformers.LlamaForCausalLM(config), config, (tokens, valid),
+                       (tokens, valid, targets), loss, _reference("hf_llama"))
+
+
 _BUILDERS: dict[str, Callable[[], TpuWorkload]] = {
-    "gpt": gpt, "llama": llama, "qwen": qwen, "resnet": resnet, "unet": unet, "dlrm": dlrm,
+    "gpt": gpt, "llama": llama, "qwen": qwen, "resnet": resnet, "unet": unet, "dlrm": dlrm, "hf_llama": hf_llama,
 }
 NAMES = tuple(_BUILDERS)
