@@ -15,6 +15,8 @@ import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
 BLOCKS = (512, 256, 128)
+INTERPRET = False
+"""Run the kernel in Pallas' interpret mode (set by the tests, which run on a CPU)."""
 
 
 def _linear(x: jax.Array, weight: jax.Array) -> jax.Array:
@@ -51,7 +53,7 @@ def _splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Array
     sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
                               block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
     mask = splash.MultiHeadMask([splash.CausalMask((length, length))] * (heads // kv_heads))
-    kernel = splash.make_splash_mqa_single_device(mask, block_sizes=sizes)
+    kernel = splash.make_splash_mqa_single_device(mask, block_sizes=sizes, interpret=INTERPRET)
     grouped = (q / math.sqrt(head_dim)).astype(q.dtype).reshape(batch, kv_heads, heads // kv_heads, length,
                                                                 head_dim)
     segments = splash.SegmentIds(q=jnp.ones_like(valid, jnp.int32), kv=valid.astype(jnp.int32))

@@ -173,3 +173,36 @@ def test_bfloat16_matches_torch(name):
         _assert_close(logits, expected_logits, f"{name} bfloat16 logits", tol=BF16_LOGITS_TOL)
     assert loss.shape == () and loss.dtype == jnp.float32
     np.testing.assert_allclose(_numpy(loss), _numpy(expected), rtol=BF16_LOSS_RTOL, err_msg=f"{name} loss")
+
+
+def test_hugging_face_llama_reference_with_the_splash_kernel_matches_transformers(monkeypatch):
+    """``bench/jax_reference/hf_llama.py`` (the splash kernel run by Pallas' interpreter) against
+    transformers' ``LlamaForCausalLM`` eagerly, at a small config with grouped-query heads and padding: the
+    logits, the loss and every parameter's gradient."""
+    import transformers
+
+    from bench.jax_reference import hf_llama
+
+    monkeypatch.setattr(hf_llama, "INTERPRET", True)
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                      use_cache=False)
+    model = transformers.LlamaForCausalLM(config)
+    generator = torch.Generator().manual_seed(1)
+    tokens, targets = (torch.randint(0, 128, (2, 128), generator=generator) for _ in range(2))
+    valid = torch.ones(2, 128, dtype=torch.long)
+    valid[1, 100:] = 0  # right padding: every row sees a key, as the reference (like JAX users) assumes
+    logits = model(input_ids=tokens, attention_mask=valid).logits
+    expected_loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    expected_loss.backward()
+    params = _params(model, jnp.float32)
+    inputs = (_ints(tokens), _ints(valid))
+    got_logits = jax.jit(lambda p, i: hf_llama.forward(p, i, config))(params, inputs)
+    loss, grads = jax.jit(jax.value_and_grad(lambda p, i: hf_llama.loss(p, i, config)))(
+        params, (*inputs, _ints(targets)))
+    _assert_close(got_logits, logits.detach(), "hf_llama logits")
+    _assert_close(loss, expected_loss, "hf_llama loss")
+    for key, parameter in model.named_parameters():
+        _assert_close(grads[key], parameter.grad, f"hf_llama gradient of {key}")
