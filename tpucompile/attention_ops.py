@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["KERNEL_BLOCK", "attention", "attention_backward", "expand_heads", "fold_heads", "keep_mask",
-           "kernel_refusal"]
+__all__ = ["KERNEL_BLOCK", "attention", "attention_backward", "attention_with_grad", "expand_heads", "fold_heads",
+           "keep_mask", "kernel_refusal"]
 
 KERNEL_BLOCK = 128
 """The kernel's tile along the sequence: lengths must be multiples of it."""
@@ -137,18 +137,51 @@ def _attention_backward_fake(grad_out, query, key, value, out, lse, kv_valid, le
     return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape)
 
 
-def _setup_context(ctx, inputs, output) -> None:
-    query, key, value, kv_valid, left, right, scale = inputs
-    out, lse = output
-    ctx.save_for_backward(query, key, value, out, lse, kv_valid)
-    ctx.left, ctx.right, ctx.scale = left, right, scale
+class _Attention(torch.autograd.Function):
+    """``attention`` differentiable by autograd and by ``torch.func`` transforms alike (a custom op's own
+    autograd formula is not supported inside ``torch.func.grad``; an ``autograd.Function`` with
+    ``setup_context`` is, and runs the op on the transform's unwrapped tensors)."""
+
+    @staticmethod
+    def forward(query, key, value, kv_valid, left, right, scale):
+        return attention(query, key, value, kv_valid, left, right, scale)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        query, key, value, kv_valid, left, right, scale = inputs
+        out, lse = output
+        ctx.save_for_backward(query, key, value, out, lse, kv_valid)
+        ctx.left, ctx.right, ctx.scale = left, right, scale
+        ctx.mark_non_differentiable(lse)
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        query, key, value, out, lse, kv_valid = ctx.saved_tensors
+        grads = _AttentionBackward.apply(grad_out, query, key, value, out, lse, kv_valid, ctx.left, ctx.right,
+                                         ctx.scale)
+        return (*grads, None, None, None, None)
 
 
-def _backward(ctx, grad_out, grad_lse):
-    query, key, value, out, lse, kv_valid = ctx.saved_tensors
-    grad_query, grad_key, grad_value = attention_backward(grad_out, query, key, value, out, lse, kv_valid,
-                                                          ctx.left, ctx.right, ctx.scale)
-    return grad_query, grad_key, grad_value, None, None, None, None
+class _AttentionBackward(torch.autograd.Function):
+    """``attention_backward`` called from ``_Attention.backward``, which ``torch.func`` runs on wrapped
+    tensors: as a function of its own it runs the op on unwrapped ones. Not differentiable again."""
+
+    @staticmethod
+    def forward(grad_out, query, key, value, out, lse, kv_valid, left, right, scale):
+        return attention_backward(grad_out, query, key, value, out, lse, kv_valid, left, right, scale)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        pass
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError("tpucompile::attention_backward has no derivative: attention through the kernel is "
+                           "differentiable once (use attention='math' for higher derivatives)")
 
 
-attention.register_autograd(_backward, setup_context=_setup_context)
+def attention_with_grad(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_valid: torch.Tensor | None,
+                        left: int, right: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``attention`` as autograd and ``torch.func`` transforms differentiate it (its backward is
+    ``attention_backward``)."""
+    return _Attention.apply(query, key, value, kv_valid, left, right, scale)

@@ -32,7 +32,6 @@ from torch.overrides import TorchFunctionMode
 from tpucompile import attention_ops
 from tpucompile.frontend.attention_masks import MaskPlan, prove_mask
 from tpucompile.frontend.decompositions import attention_scale, scaled_dot_product_attention
-from tpucompile.frontend.transforms import runs_functorch_transform
 
 _ATTENTION_TARGETS = {
     F.scaled_dot_product_attention,
@@ -55,14 +54,14 @@ def attention_with_kernel(
 ) -> torch.Tensor:
     """``scaled_dot_product_attention`` without a mask through ``tpucompile::attention`` (only for calls
     ``_kernel_refusal`` passes)."""
-    return attention_ops.attention(query, key, value, None, -1, 0 if is_causal else -1,
-                                   float(attention_scale(query, scale)))[0]
+    return attention_ops.attention_with_grad(query, key, value, None, -1, 0 if is_causal else -1,
+                                             float(attention_scale(query, scale)))[0]
 
 
 def attention_with_plan(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_valid: torch.Tensor | None,
                         left: int, right: int, scale: float) -> torch.Tensor:
     """Attention with a proved mask (``MaskPlan``) through ``tpucompile::attention``."""
-    return attention_ops.attention(query, key, value, kv_valid, left, right, scale)[0]
+    return attention_ops.attention_with_grad(query, key, value, kv_valid, left, right, scale)[0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,20 +211,13 @@ def rewrite_attention(gm: torch.fx.GraphModule, kernel: bool = False) -> int:
     otherwise PyTorch's fused kernel would reach autograd, whose backward is another fused kernel."""
     rewritten = 0
     replaced: list[torch.fx.Node] = []
-    transformed = runs_functorch_transform(gm)
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target in _HIDING_ATTENTION:
-            routed = kernel and not transformed
-            node.target = _HIDING_ATTENTION[node.target][routed]
-            node.meta["attention"] = "routed inside: kernel where it fits" if routed else "routed inside: math"
+            node.target = _HIDING_ATTENTION[node.target][kernel]
+            node.meta["attention"] = "routed inside: kernel where it fits" if kernel else "routed inside: math"
             rewritten += 1
         elif node.op == "call_function" and node.target in _ATTENTION_TARGETS:
-            if not kernel:
-                call = "no kernel for this target"
-            elif transformed:  # torch.func.grad cannot differentiate a custom op's autograd formula
-                call = "it is inside a torch.func transform"
-            else:
-                call = kernel_call(node)
+            call = kernel_call(node) if kernel else "no kernel for this target"
             if isinstance(call, KernelCall):
                 replaced.extend(a for a in node.all_input_nodes)
                 query = node.args[0] if node.args else node.kwargs["query"]
