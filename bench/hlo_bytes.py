@@ -23,6 +23,7 @@ _ELEMENT_BYTES = {
 }
 _SHAPE = re.compile(r"\b(pred|[suf]\d+|bf16|c64|c128|f8e\w+)\[([\d,]*)\]")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<rest>.*)$")
+_INSTRUCTION_START = re.compile(r"^\s+(?:ROOT\s+)?%[\w.\-]+\s*=")
 _OPCODE = re.compile(r"\s(?P<opcode>[a-z][a-z0-9\-]*)\(")
 _FREE = {"bitcast", "get-tuple-element", "tuple", "parameter", "constant", "after-all", "partition-id",
          "replica-id", "opt-barrier", "copy-done", "all-reduce-done", "all-gather-done", "collective-permute-done",
@@ -93,15 +94,23 @@ def entry_traffic(hlo_text: str) -> list[Traffic]:
 
 
 def _entry_lines(hlo_text: str) -> list[str]:
-    lines, inside = [], False
+    """The entry computation's instructions, one string each: an instruction's attributes may hold newlines
+    (a Pallas kernel's custom call carries JSON metadata over several lines, some starting with "}"), so a
+    line that does not start an instruction continues the one before, and only a bare "}" ends the entry."""
+    lines: list[str] = []
+    inside = False
     for line in hlo_text.splitlines():
         if line.startswith("ENTRY "):
             inside = True
             continue
-        if inside:
-            if line.startswith("}"):
-                break
+        if not inside:
+            continue
+        if line.rstrip() == "}":
+            break
+        if _INSTRUCTION_START.match(line) or not lines:
             lines.append(line)
+        else:
+            lines[-1] += " " + line.strip()
     return lines
 
 

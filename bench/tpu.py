@@ -16,7 +16,9 @@ peak memory as the largest program's, the bytes the forward saves for the backwa
 passes on are counted apart), and the ratios to the reference. MFU is the reference's flops over the estimated
 time at the chip's peak bf16 rate (the compiler's ``optimal_seconds``, or where it is negative, as it is for most
 of these programs, its summed per-instruction cycle estimates at the chip's clock: an estimate without
-overlap, comparable between the two sides). ``--breakdown`` lists, for one row, each program's top-level instructions
+overlap, comparable between the two sides). Pallas kernel calls get no estimate from XLA (neither cycles nor
+flops): the last column counts them per side, their time is in neither side's estimate, and where the counts
+differ the cycle ratio is not given. ``--breakdown`` lists, for one row, each program's top-level instructions
 by the bytes they move, with the op and source line that made them (``hlo_bytes.py``).
 """
 
@@ -67,6 +69,10 @@ class Program:
     """The sum of the TPU compiler's per-instruction cycle estimates (``hlo_bytes``): a time estimate that
     ignores overlap, for programs whose ``optimal_seconds`` is negative (the cost model has no estimate)."""
     hlo: str = dataclasses.field(repr=False, default="")
+    kernels: int = 0
+    """Pallas kernel calls (``tpu_custom_call``) at the program's top level: XLA estimates neither their
+    cycles nor their flops, so they are in neither side's estimate, and the estimates compare like with like
+    only where both sides make the same calls (the table says so where they do not)."""
 
 
 @dataclasses.dataclass
@@ -90,6 +96,7 @@ class Row:
             "alias": sum(p.memory["alias"] for p in self.ours),
             "seconds": sum(times) if all(t is not None and t > 0 for t in times) else None,
             "cycles": sum(p.cycles for p in self.ours),
+            "kernels": sum(p.kernels for p in self.ours),
         }
 
 
@@ -97,9 +104,11 @@ def _program(role: str, executable: Any) -> Program:
     report = TargetExecutable(executable, 0.0).report()
     seconds = report.get("optimal_seconds")
     hlo = "\n".join(m.to_string(_PRINT) for m in executable.hlo_modules())
-    cycles = sum(row.cycles for row in hlo_bytes.entry_traffic(hlo))
+    rows = hlo_bytes.entry_traffic(hlo)
+    cycles = sum(row.cycles for row in rows)
+    kernels = sum(row.opcode == "custom-call:tpu_custom_call" for row in rows)
     return Program(role, report.get("flops") or 0.0, report.get("bytes_accessed") or 0.0, seconds,
-                   report["memory"], cycles, hlo)
+                   report["memory"], cycles, hlo, kernels)
 
 
 def ours(workload: tpu_workloads.TpuWorkload, mode: str, target: str, extra: dict[str, Any] | None = None
@@ -249,7 +258,8 @@ def _mib(value: float) -> str:
 def report(rows: list[Row], peak_flops: float | None, clock: float | None) -> str:
     header = ("| workload | mode | dtype | programs | flops G (ratio) | HBM GB ours / JAX (ratio) | "
               "peak MiB ours / JAX (ratio) | aliased MiB | saved for bw MiB (act + weights) | "
-              "est. ms ours / JAX (ratio) | est. Mcycles ours / JAX (ratio) | est. MFU ours / JAX |")
+              "est. ms ours / JAX (ratio) | est. Mcycles ours / JAX (ratio) | est. MFU ours / JAX | "
+              "kernel calls ours / JAX |")
     lines = [header, "|" + "---|" * (header.count("|") - 1)]
     for row in rows:
         if row.error is not None:
@@ -262,6 +272,8 @@ def report(rows: list[Row], peak_flops: float | None, clock: float | None) -> st
         saved = (f"{_mib(row.saved_activation_bytes)} + {_mib(row.saved_weight_bytes)}"
                  if row.mode == "training" else "")
         seconds = "n/a" if t["seconds"] is None else f"{t['seconds'] * 1e3:.2f}"
+        unlike = t["kernels"] != r.kernels  # one side's kernels are outside its estimate, the other's inside
+        cycle_ratio = "n/a: kernel calls differ" if unlike else _ratio(t["cycles"], r.cycles)
         ref_ms = "n/a" if ref_seconds is None else f"{ref_seconds * 1e3:.2f}"
         lines.append(
             f"| {row.workload} | {row.mode} | {row.dtype} | {'+'.join(p.role[:3] for p in row.ours)} | "
@@ -269,8 +281,9 @@ def report(rows: list[Row], peak_flops: float | None, clock: float | None) -> st
             f"{_gb(t['bytes'])} / {_gb(r.bytes_accessed)} ({_ratio(t['bytes'], r.bytes_accessed)}) | "
             f"{_mib(t['peak'])} / {_mib(r.memory['peak'])} ({_ratio(t['peak'], r.memory['peak'])}) | "
             f"{_mib(t['alias'])} | {saved} | {seconds} / {ref_ms} ({_ratio(t['seconds'], ref_seconds)}) | "
-            f"{t['cycles'] / 1e6:.1f} / {r.cycles / 1e6:.1f} ({_ratio(t['cycles'], r.cycles)}) | "
-            f"{_mfu(r.flops, ours_time, peak_flops)} / {_mfu(r.flops, ref_time, peak_flops)} |")
+            f"{t['cycles'] / 1e6:.1f} / {r.cycles / 1e6:.1f} ({cycle_ratio}) | "
+            f"{_mfu(r.flops, ours_time, peak_flops)} / {_mfu(r.flops, ref_time, peak_flops)} | "
+            f"{t['kernels']} / {r.kernels} |")
     return "\n".join(lines)
 
 
