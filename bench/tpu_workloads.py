@@ -146,15 +146,12 @@ def dlrm() -> TpuWorkload:
                        _reference("dlrm"), True)
 
 
-def hf_llama() -> TpuWorkload:
-    """Hugging Face's own ``LlamaForCausalLM``: 4 layers of width 1024, 8 query / 2 key-value heads of 128,
-    SwiGLU 2816, 4 x 1024 tokens with a padding mask (all ones, as a tokenizer gives for full rows), which
-    transformers turns into a boolean mask inside the graph. The reference calls the splash kernel."""
+def _hugging_face(name: str, model_class: str, config: Any) -> TpuWorkload:
+    """A transformers decoder at 4 x 1024 tokens with a padding mask (all ones, as a tokenizer gives for full
+    rows), which transformers turns into a boolean mask inside the graph; the reference
+    (``jax_reference/hf_decoder.py``) calls the splash kernel with the same mask."""
     import transformers
 
-    config = transformers.LlamaConfig(vocab_size=32768, hidden_size=1024, intermediate_size=2816,
-                                      num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
-                                      max_position_embeddings=1024, use_cache=False)
     config._attn_implementation = "sdpa"
     tokens, targets = _tokens(config.vocab_size, 4, 1024)
     valid = torch.ones(4, 1024, dtype=torch.long)
@@ -163,11 +160,40 @@ def hf_llama() -> TpuWorkload:
         logits = net(input_ids=tokens, attention_mask=valid).logits
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
-    return TpuWorkload("hf_llama", transformers.LlamaForCausalLM(config), config, (tokens, valid),
-                       (tokens, valid, targets), loss, _reference("hf_llama"))
+    model = getattr(transformers, model_class)(config)
+    return TpuWorkload(name, model, config, (tokens, valid), (tokens, valid, targets), loss,
+                       _reference("hf_decoder"))
+
+
+_HF_SIZE = dict(vocab_size=32768, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
+                num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024, use_cache=False)
+"""4 layers of width 1024, 8 query / 2 key-value heads of 128, SwiGLU 2816."""
+
+
+def hf_llama() -> TpuWorkload:
+    """Hugging Face's own ``LlamaForCausalLM`` (causal mask and padding)."""
+    import transformers
+
+    return _hugging_face("hf_llama", "LlamaForCausalLM", transformers.LlamaConfig(**_HF_SIZE))
+
+
+def hf_mistral() -> TpuWorkload:
+    """Hugging Face's ``MistralForCausalLM`` with a sliding window of 512 keys (of the 1024)."""
+    import transformers
+
+    return _hugging_face("hf_mistral", "MistralForCausalLM",
+                         transformers.MistralConfig(**_HF_SIZE, sliding_window=512))
+
+
+def hf_qwen3() -> TpuWorkload:
+    """Hugging Face's ``Qwen3ForCausalLM`` (query and key RMSNorm per head)."""
+    import transformers
+
+    return _hugging_face("hf_qwen3", "Qwen3ForCausalLM", transformers.Qwen3Config(**_HF_SIZE, head_dim=128))
 
 
 _BUILDERS: dict[str, Callable[[], TpuWorkload]] = {
     "gpt": gpt, "llama": llama, "qwen": qwen, "resnet": resnet, "unet": unet, "dlrm": dlrm, "hf_llama": hf_llama,
+    "hf_mistral": hf_mistral, "hf_qwen3": hf_qwen3,
 }
 NAMES = tuple(_BUILDERS)

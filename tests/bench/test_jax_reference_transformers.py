@@ -175,21 +175,30 @@ def test_bfloat16_matches_torch(name):
     np.testing.assert_allclose(_numpy(loss), _numpy(expected), rtol=BF16_LOSS_RTOL, err_msg=f"{name} loss")
 
 
-def test_hugging_face_llama_reference_with_the_splash_kernel_matches_transformers(monkeypatch):
-    """``bench/jax_reference/hf_llama.py`` (the splash kernel run by Pallas' interpreter) against
-    transformers' ``LlamaForCausalLM`` eagerly, at a small config with grouped-query heads and padding: the
-    logits, the loss and every parameter's gradient."""
+HUGGING_FACE = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 40}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32}),
+}
+
+
+@pytest.mark.parametrize("name", list(HUGGING_FACE))
+def test_hugging_face_decoder_reference_with_the_splash_kernel_matches_transformers(name, monkeypatch):
+    """``bench/jax_reference/hf_decoder.py`` (the splash kernel run by Pallas' interpreter) against
+    transformers' model eagerly, at a small config with grouped-query heads and padding: the logits, the loss
+    and every parameter's gradient (Mistral's window shorter than the sequence)."""
     import transformers
 
-    from bench.jax_reference import hf_llama
+    from bench.jax_reference import hf_decoder
 
-    monkeypatch.setattr(hf_llama, "INTERPRET", True)
-
+    monkeypatch.setattr(hf_decoder, "INTERPRET", True)
+    config_class, model_class, extra = HUGGING_FACE[name]
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                                      use_cache=False)
-    model = transformers.LlamaForCausalLM(config)
+    config = getattr(transformers, config_class)(
+        vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, use_cache=False, **extra)
+    config._attn_implementation = "sdpa"
+    model = getattr(transformers, model_class)(config)
     generator = torch.Generator().manual_seed(1)
     tokens, targets = (torch.randint(0, 128, (2, 128), generator=generator) for _ in range(2))
     valid = torch.ones(2, 128, dtype=torch.long)
@@ -199,10 +208,10 @@ def test_hugging_face_llama_reference_with_the_splash_kernel_matches_transformer
     expected_loss.backward()
     params = _params(model, jnp.float32)
     inputs = (_ints(tokens), _ints(valid))
-    got_logits = jax.jit(lambda p, i: hf_llama.forward(p, i, config))(params, inputs)
-    loss, grads = jax.jit(jax.value_and_grad(lambda p, i: hf_llama.loss(p, i, config)))(
+    got_logits = jax.jit(lambda p, i: hf_decoder.forward(p, i, config))(params, inputs)
+    loss, grads = jax.jit(jax.value_and_grad(lambda p, i: hf_decoder.loss(p, i, config)))(
         params, (*inputs, _ints(targets)))
-    _assert_close(got_logits, logits.detach(), "hf_llama logits")
-    _assert_close(loss, expected_loss, "hf_llama loss")
+    _assert_close(got_logits, logits.detach(), f"{name} logits")
+    _assert_close(loss, expected_loss, f"{name} loss")
     for key, parameter in model.named_parameters():
-        _assert_close(grads[key], parameter.grad, f"hf_llama gradient of {key}")
+        _assert_close(grads[key], parameter.grad, f"{name} gradient of {key}")

@@ -1,6 +1,7 @@
-"""Hugging Face's ``LlamaForCausalLM`` written by hand in JAX as a JAX user writes it for a TPU: attention is
-jax's Pallas splash-attention kernel (causal mask, the padding mask as segment ids, grouped-query heads by the
-kernel's multi-query form), differentiated through the kernel's own custom VJP.
+"""Hugging Face's Llama-family decoders (``LlamaForCausalLM``, ``MistralForCausalLM`` with its sliding window,
+``Qwen3ForCausalLM`` with its query/key norms) written by hand in JAX as a JAX user writes them for a TPU:
+attention is jax's Pallas splash-attention kernel (a causal or local mask, the padding mask as segment ids,
+grouped-query heads by the kernel's multi-query form), differentiated through the kernel's own custom VJP.
 
 ``params`` is keyed like the torch model's ``dict(model.named_parameters())``. Inputs are ``(tokens,
 attention_mask)`` and, for the loss, ``targets``: the cross-entropy over every position, as the benchmark's
@@ -36,23 +37,32 @@ def _rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return x * cos + rotated * sin
 
 
+def _head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 def _rope_tables(config, length: int, dtype) -> tuple[jax.Array, jax.Array]:
-    head_dim = config.hidden_size // config.num_attention_heads
+    head_dim = _head_dim(config)
     frequencies = config.rope_parameters["rope_theta"] ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
     angles = jnp.outer(jnp.arange(length, dtype=jnp.float32), frequencies)
     angles = jnp.concatenate([angles, angles], axis=-1)
     return jnp.cos(angles).astype(dtype), jnp.sin(angles).astype(dtype)
 
 
-def _splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Array) -> jax.Array:
-    """Causal grouped-query attention by the splash kernel; ``q`` (batch, heads, length, head_dim), ``k``/``v``
-    (batch, kv_heads, length, head_dim), ``valid`` (batch, length) the padding mask."""
+def _splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Array, window: int | None) -> jax.Array:
+    """Causal grouped-query attention by the splash kernel, over the last ``window`` keys if given; ``q``
+    (batch, heads, length, head_dim), ``k``/``v`` (batch, kv_heads, length, head_dim), ``valid`` (batch,
+    length) the padding mask."""
     batch, heads, length, head_dim = q.shape
     kv_heads = k.shape[1]
     block = next(b for b in BLOCKS if length % b == 0)
     sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
                               block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
-    mask = splash.MultiHeadMask([splash.CausalMask((length, length))] * (heads // kv_heads))
+    if window is not None and window < length:
+        one = splash.LocalMask((length, length), (window - 1, 0), offset=0)
+    else:
+        one = splash.CausalMask((length, length))
+    mask = splash.MultiHeadMask([one] * (heads // kv_heads))
     kernel = splash.make_splash_mqa_single_device(mask, block_sizes=sizes, interpret=INTERPRET)
     grouped = (q / math.sqrt(head_dim)).astype(q.dtype).reshape(batch, kv_heads, heads // kv_heads, length,
                                                                 head_dim)
@@ -69,7 +79,8 @@ def _splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Array
 def _logits(params: dict[str, jax.Array], tokens: jax.Array, valid: jax.Array, config) -> jax.Array:
     batch, length = tokens.shape
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    head_dim = config.hidden_size // heads
+    head_dim = _head_dim(config)
+    window = getattr(config, "sliding_window", None)
     x = params["model.embed_tokens.weight"][tokens]
     cos, sin = _rope_tables(config, length, x.dtype)
     for layer in range(config.num_hidden_layers):
@@ -81,8 +92,11 @@ def _logits(params: dict[str, jax.Array], tokens: jax.Array, valid: jax.Array, c
             return y.transpose(0, 2, 1, 3)
 
         q, k, v = project("q_proj", heads), project("k_proj", kv_heads), project("v_proj", kv_heads)
+        if f"{prefix}.self_attn.q_norm.weight" in params:  # Qwen3: RMSNorm over each head
+            q = _rms_norm(q, params[f"{prefix}.self_attn.q_norm.weight"], config.rms_norm_eps)
+            k = _rms_norm(k, params[f"{prefix}.self_attn.k_norm.weight"], config.rms_norm_eps)
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-        attended = _splash_attention(q, k, v, valid).transpose(0, 2, 1, 3).reshape(batch, length, -1)
+        attended = _splash_attention(q, k, v, valid, window).transpose(0, 2, 1, 3).reshape(batch, length, -1)
         x = x + _linear(attended, params[f"{prefix}.self_attn.o_proj.weight"])
         h = _rms_norm(x, params[f"{prefix}.post_attention_layernorm.weight"], config.rms_norm_eps)
         gate = jax.nn.silu(_linear(h, params[f"{prefix}.mlp.gate_proj.weight"]))
