@@ -21,22 +21,25 @@ TARGET = "tpu:v5e:1x1"
 
 @pytest.fixture(scope="module")
 def small_gpt_training():
+    """The small GPT's training programs for the target with attention in its math form (the guard's
+    original figures), the JAX reference's, and the programs on the default route (the splash kernel)."""
     import tpu
     import tpu_workloads
 
     from tpucompile.runtime.targets.compile_only import compile_only_target
 
     workload = tpu_workloads.build("gpt", torch.bfloat16, small=True)
-    programs, activations, weights = tpu.ours(workload, "training", TARGET)
+    programs, activations, weights = tpu.ours(workload, "training", TARGET, {"attention": "math"})
     reference = tpu.reference(workload, "training", compile_only_target(TARGET).devices[0])
-    return programs, activations, weights, reference
+    kernel_route = tpu.ours(tpu_workloads.build("gpt", torch.bfloat16, small=True), "training", TARGET)
+    return programs, activations, weights, reference, kernel_route
 
 
 def test_breakdown_accounts_for_the_program_and_names_its_ops(small_gpt_training):
     import hlo_bytes
 
-    programs, _, _, reference = small_gpt_training
-    for program in [*programs, reference]:
+    programs, _, _, reference, (kernel_programs, _, _) = small_gpt_training
+    for program in [*programs, reference, *kernel_programs]:
         rows = hlo_bytes.entry_traffic(program.hlo)
         assert rows and rows == sorted(rows, key=lambda r: r.total, reverse=True)
         total = sum(r.total for r in rows)
@@ -50,12 +53,13 @@ def test_breakdown_accounts_for_the_program_and_names_its_ops(small_gpt_training
 
 
 def test_small_gpt_training_step_costs_what_it_was_measured_at(small_gpt_training):
-    """Measured at 2 x 128 tokens, width 256, 2 blocks, bf16 (jax 0.10.2, libtpu 0.0.42): the forward saves
+    """With attention in its math form, measured at 2 x 128 tokens, width 256, 2 blocks, bf16 (jax 0.10.2,
+    libtpu 0.0.42): the forward saves
     7,115,778 bytes of activations (and passes 5,249,536 bytes of weights); the programs' peaks are 18.8 MB and
     23.4 MB (the backward's 24.4 MB before it took over saved values: 1,310,720 bytes aliased), the hand-written
     JAX step's 25.7 MB; the two programs access 188.5 MB (80.1 + 108.4), the JAX step 100.7 MB (ours is two
     programs at a size where each program's fixed traffic counts); flops equal the reference's within 1%."""
-    programs, activations, weights, reference = small_gpt_training
+    programs, activations, weights, reference, _ = small_gpt_training
     assert [p.role for p in programs] == ["forward", "backward"]
     assert activations <= 1.10 * 7_115_778, activations
     assert weights == 5_249_536
@@ -65,3 +69,18 @@ def test_small_gpt_training_step_costs_what_it_was_measured_at(small_gpt_trainin
     assert sum(p.bytes_accessed for p in programs) <= 1.10 * 188_508_672
     assert max(p.memory["peak"] for p in programs) <= 1.10 * reference.memory["peak"]
     assert sum(p.flops for p in programs) == pytest.approx(reference.flops, rel=0.01)
+
+
+def test_small_gpt_training_step_on_the_kernel_route_costs_what_it_was_measured_at(small_gpt_training):
+    """The default route for a TPU, attention (head size 64) through the splash kernel, measured the same way:
+    one kernel call per block forward and two backward; the forward saves 6,829,058 bytes of activations;
+    peaks 17.7 MB and 25.4 MB (the backward's 2.0 MB above the math form's, where the math form's forward
+    peak is 1.0 MB above); 179.7 MB accessed. XLA counts neither the kernel's flops nor its cycles."""
+    math_programs, math_activations, _, _, (programs, activations, weights) = small_gpt_training
+    assert [p.kernels for p in programs] == [2, 4]
+    assert activations <= 1.10 * 6_829_058 and activations < math_activations, activations
+    assert weights == 5_249_536
+    assert programs[0].memory["peak"] <= 1.10 * 17_747_968
+    assert programs[1].memory["peak"] <= 1.03 * 25_378_304
+    assert sum(p.bytes_accessed for p in programs) <= 1.10 * 179_652_608
+    assert sum(p.bytes_accessed for p in programs) < sum(p.bytes_accessed for p in math_programs)

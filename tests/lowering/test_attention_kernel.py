@@ -63,13 +63,17 @@ MASKS = {"causal": (-1, 0, False), "full": (-1, -1, False), "window": (47, 0, Fa
          "band": (-1, 3, False)}
 
 
-@pytest.mark.parametrize("mask", list(MASKS))
-@pytest.mark.parametrize("heads", [(4, 4), (4, 1), (8, 2)], ids=["mha", "mqa", "gqa"])
+_HEADS = {"mha": (4, 4), "mqa": (4, 1), "gqa": (8, 2)}
+_CASES = [(mask, "mha") for mask in MASKS] + [(mask, heads) for mask in ("causal-padding", "window")
+                                              for heads in ("mqa", "gqa")]
+
+
+@pytest.mark.parametrize(("mask", "heads"), _CASES, ids=[f"{m}-{h}" for m, h in _CASES])
 def test_splash_kernel_in_interpret_mode_equals_the_math_form(mask, heads):
     """The TPU lowering's jax functions (splash attention's forward with its log-sum-exp, and its backward
     passes fed the saved output and log-sum-exp) run by Pallas' TPU interpreter on the CPU, for every mask
-    the op describes; with a band and padding, the first 40 rows of one batch row see no key (zeros,
-    lse -inf)."""
+    the op describes, over 3 tiles of 128 (so the band's skipped and partial tiles are both exercised); with
+    a band and padding, the first 40 rows of one batch row see no key (zeros, lse -inf)."""
     import functools
 
     import jax
@@ -78,10 +82,11 @@ def test_splash_kernel_in_interpret_mode_equals_the_math_form(mask, heads):
     from tpucompile.lowering.rules import attention
 
     left, right, padded = MASKS[mask]
+    heads, kv_heads = _HEADS[heads]
     keys = jax.random.split(jax.random.PRNGKey(0), 4)
-    grad_out, query = (jax.random.normal(k, (2, heads[0], 256, 64), jnp.float32) for k in keys[:2])
-    key, value = (jax.random.normal(k, (2, heads[1], 256, 64), jnp.float32) for k in keys[2:])
-    valid = jnp.ones((2, 256), bool).at[1, :40].set(False).at[0, 200:].set(False) if padded else None
+    grad_out, query = (jax.random.normal(k, (2, heads, 384, 64), jnp.float32) for k in keys[:2])
+    key, value = (jax.random.normal(k, (2, kv_heads, 384, 64), jnp.float32) for k in keys[2:])
+    valid = jnp.ones((2, 384), bool).at[1, :40].set(False).at[0, 300:].set(False) if padded else None
     options = dict(left=left, right=right, scale=0.15)
     out, lse = jax.jit(functools.partial(attention.splash_forward, interpret=True, **options))(
         query, key, value, valid)
