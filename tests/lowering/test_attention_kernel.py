@@ -68,12 +68,18 @@ _CASES = [(mask, "mha") for mask in MASKS] + [(mask, heads) for mask in ("causal
                                               for heads in ("mqa", "gqa")]
 
 
-@pytest.mark.parametrize(("mask", "heads"), _CASES, ids=[f"{m}-{h}" for m, h in _CASES])
-def test_splash_kernel_in_interpret_mode_equals_the_math_form(mask, heads):
+_FALLBACK_CASES = [("causal-padding", "gqa"), ("window", "mha")]
+
+
+@pytest.mark.parametrize(("mask", "heads", "private_backward"),
+                         [(*case, True) for case in _CASES] + [(*case, False) for case in _FALLBACK_CASES],
+                         ids=[f"{m}-{h}" for m, h in _CASES] + [f"{m}-{h}-recomputed" for m, h in _FALLBACK_CASES])
+def test_splash_kernel_in_interpret_mode_equals_the_math_form(mask, heads, private_backward, monkeypatch):
     """The TPU lowering's jax functions (splash attention's forward with its log-sum-exp, and its backward
     passes fed the saved output and log-sum-exp) run by Pallas' TPU interpreter on the CPU, for every mask
     the op describes, over 3 tiles of 128 (so the band's skipped and partial tiles are both exercised); with
-    a band and padding, the first 40 rows of one batch row see no key (zeros, lse -inf)."""
+    a band and padding, the first 40 rows of one batch row see no key (zeros, lse -inf). The "recomputed"
+    cases take the backward used where jax lacks the private passes (the kernel's own VJP)."""
     import functools
 
     import jax
@@ -81,6 +87,8 @@ def test_splash_kernel_in_interpret_mode_equals_the_math_form(mask, heads):
 
     from tpucompile.lowering.rules import attention
 
+    if not private_backward:
+        monkeypatch.setattr(attention, "_private_backward", lambda: None)
     left, right, padded = MASKS[mask]
     heads, kv_heads = _HEADS[heads]
     keys = jax.random.split(jax.random.PRNGKey(0), 4)

@@ -153,9 +153,11 @@ def block_size(length: int) -> int:
     return next(block for block in BLOCKS if length % block == 0)
 
 
-def splash_kernel(length_q: int, length_k: int, groups: int, left: int, right: int, interpret: bool = False):
+def splash_kernel(length_q: int, length_k: int, groups: int, left: int, right: int, interpret: bool = False,
+                  save_residuals: bool = True):
     """The multi-query splash kernel for one key/value head and its ``groups`` query heads (made per trace:
-    it holds its block maps as arrays of the trace that makes it)."""
+    it holds its block maps as arrays of the trace that makes it); ``save_residuals``: it also returns the
+    log-sum-exp, and cannot be differentiated by jax."""
     splash = _splash()
     shape = (length_q, length_k)
     if left < 0 and right < 0:
@@ -169,13 +171,13 @@ def splash_kernel(length_q: int, length_k: int, groups: int, left: int, right: i
                                block_q_dkv=block_q, block_kv_dkv=block_k, block_kv_dkv_compute=block_k,
                                block_q_dq=block_q, block_kv_dq=block_k)
     return splash.make_splash_mqa_single_device(splash.MultiHeadMask([mask] * groups), block_sizes=blocks,
-                                                save_residuals=True, interpret=interpret)
+                                                save_residuals=save_residuals, interpret=interpret)
 
 
-def _per_kv_head(query, key, value):
-    """``query`` as ``(batch, kv_heads, group, length, head_dim)``, the query already scaled elsewhere."""
-    batch, heads, length, head_dim = query.shape
-    return query.reshape(batch, key.shape[1], heads // key.shape[1], length, head_dim)
+def _per_kv_head(tensor, kv_heads: int):
+    """A query-shaped ``tensor`` as ``(batch, kv_heads, group, length, head_dim)``."""
+    batch, heads, length, head_dim = tensor.shape
+    return tensor.reshape(batch, kv_heads, heads // kv_heads, length, head_dim)
 
 
 def _segments(kv_valid, length_q: int):
@@ -202,13 +204,14 @@ def _rows_seeing_a_key(kv_valid, length_q: int, left: int, right: int):
     return (seen > 0)[:, None, :]
 
 
-def _vmapped(fn, with_segments: bool):
-    """``fn(query, key, value, segments)`` over batch and key/value heads (segments per batch row only)."""
+def _vmapped(fn, with_segments: bool, per_head: int = 0):
+    """``fn(query, key, value, segments, *per_head_operands)`` over batch and key/value heads (segments per
+    batch row only; ``per_head`` more operands laid out like the query)."""
     import jax
 
     segment_axis = 0 if with_segments else None
-    inner = jax.vmap(fn, in_axes=(0, 0, 0, None))
-    return jax.vmap(inner, in_axes=(0, 0, 0, segment_axis))
+    inner = jax.vmap(fn, in_axes=(0, 0, 0, None) + (0,) * per_head)
+    return jax.vmap(inner, in_axes=(0, 0, 0, segment_axis) + (0,) * per_head)
 
 
 def splash_forward(query, key, value, kv_valid=None, *, left: int, right: int, scale: float,
@@ -223,7 +226,7 @@ def splash_forward(query, key, value, kv_valid=None, *, left: int, right: int, s
         out, (lse,) = kernel(q, k, v, segment_ids=segments)
         return out, lse
 
-    scaled = _per_kv_head((query * scale).astype(query.dtype), key, value)
+    scaled = _per_kv_head((query * scale).astype(query.dtype), key.shape[1])
     out, lse = _vmapped(one_head, kv_valid is not None)(scaled, key, value, _segments(kv_valid, length_q))
     out, lse = out.reshape(query.shape).astype(query.dtype), lse.reshape(batch, heads, length_q)
     if kv_valid is not None:
@@ -260,33 +263,35 @@ def splash_backward(grad_out, query, key, value, out, lse, kv_valid=None, *, lef
     import jax.numpy as jnp
 
     batch, heads, length_q, _ = query.shape
-    kernel = splash_kernel(length_q, key.shape[2], heads // key.shape[1], left, right, interpret)
-    scaled = _per_kv_head((query * scale).astype(query.dtype), key, value)
-    grad_grouped = _per_kv_head(grad_out, key, value)
-    segments = _segments(kv_valid, length_q)
+    kv_heads = key.shape[1]
     backward = _private_backward()
-    if backward is None:
+    kernel = splash_kernel(length_q, key.shape[2], heads // kv_heads, left, right, interpret,
+                           save_residuals=backward is not None)
+    scaled = _per_kv_head((query * scale).astype(query.dtype), kv_heads)
+    segments = _segments(kv_valid, length_q)
+    if backward is None:  # recompute the forward, through the kernel's own custom VJP
         def one_head(q, k, v, segment_ids, do):
-            return jax.vjp(lambda q, k, v: kernel(q, k, v, segment_ids=segment_ids)[0], q, k, v)[1](do)
+            return jax.vjp(lambda q, k, v: kernel(q, k, v, segment_ids=segment_ids), q, k, v)[1](do)
+
+        if kv_valid is not None:  # the forward zeroed rows that see no key: nothing flows back from them
+            seen = _rows_seeing_a_key(kv_valid, length_q, left, right)
+            grad_out = jnp.where(seen[..., None], grad_out, jnp.zeros_like(grad_out))
+        per_head = (_per_kv_head(grad_out, kv_heads),)
     else:
         options = kernel.kwargs
         rule = functools.partial(
             backward, False, options["mask_value"], options["is_mqa"], options["block_sizes"],
             options["residual_checkpoint_name"], options["mask_function"], options["attn_logits_soft_cap"],
             options["interpret"])
-        saved_out = _per_kv_head(out, key, value)
-        saved_lse = jnp.where(jnp.isneginf(lse), jnp.inf, lse).reshape(batch, key.shape[1], -1, length_q)
 
         def one_head(q, k, v, segment_ids, do, o, row_lse):
             residuals = (q, k, v, segment_ids, None, o, row_lse, _collapsed(kernel.dq_mask_info),
                          _collapsed(kernel.dkv_mask_info))
             return rule(residuals, do)[3:6]
 
-    segment_axis = 0 if segments is not None else None
-    extra = 1 if backward is None else 3
-    inner = jax.vmap(one_head, in_axes=(0, 0, 0, None) + (0,) * extra)
-    outer = jax.vmap(inner, in_axes=(0, 0, 0, segment_axis) + (0,) * extra)
-    operands = (grad_grouped,) if backward is None else (grad_grouped, saved_out, saved_lse)
-    grad_query, grad_key, grad_value = outer(scaled, key, value, segments, *operands)
+        saved_lse = jnp.where(jnp.isneginf(lse), jnp.inf, lse).reshape(batch, kv_heads, -1, length_q)
+        per_head = (_per_kv_head(grad_out, kv_heads), _per_kv_head(out, kv_heads), saved_lse)
+    grad_query, grad_key, grad_value = _vmapped(one_head, segments is not None, len(per_head))(
+        scaled, key, value, segments, *per_head)
     grad_query = (grad_query.reshape(query.shape).astype(jnp.float32) * scale).astype(query.dtype)
     return grad_query, grad_key.astype(key.dtype), grad_value.astype(value.dtype)
