@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -76,25 +75,20 @@ class KernelCall:
 
 def kernel_call(node: torch.fx.Node) -> KernelCall | str:
     """How the attention call ``node`` goes to the kernel, else why it does not."""
-    bound = dict(zip(_PARAMETERS, node.args, strict=False))
-    bound.update(node.kwargs)
+    bound = _bound(node.args, node.kwargs)
     query, key, value, mask = (bound.get(name) for name in ("query", "key", "value", "attn_mask"))
     examples = [_example(v) for v in (query, key, value)]
-    if not all(isinstance(v, torch.Tensor) for v in examples) or not all(
-            isinstance(v, torch.fx.Node) for v in (query, key, value)):
+    if not all(isinstance(v, torch.fx.Node) for v in (query, key, value)):
         return "query, key or value has no traced value"
-    if bound.get("dropout_p", 0.0) != 0.0 or not isinstance(bound.get("is_causal", False), bool):
-        return "it has dropout or a traced is_causal"
-    if not isinstance(bound.get("scale"), (int, float, type(None))):
-        return "its scale is traced"
+    refusal = _arguments_refusal(bound, examples)
+    if refusal is not None:
+        return refusal
     if examples[0].dim() != 4:
         return "it is not 4-d attention"
     heads = examples[0].shape[-3]
     key_heads, value_heads = _ungrouped(key, heads), _ungrouped(value, heads)
     if _example(key_heads).shape[-3] != _example(value_heads).shape[-3]:
         key_heads, value_heads = key, value
-    if examples[1].shape[-3] != heads and bound.get("enable_gqa") is not True:
-        return "its heads differ without grouped-query attention"
     causal = bool(bound.get("is_causal", False))
     batch, length_q, length_k = examples[0].shape[0], examples[0].shape[-2], examples[1].shape[-2]
     if mask is None:
@@ -150,25 +144,40 @@ def _ungrouped(node: torch.fx.Node, heads: int) -> torch.fx.Node:
     return source
 
 
-def _kernel_refusal(args: tuple, kwargs: dict[str, Any], example: Callable[[Any], Any] = lambda v: v) -> str | None:
-    """None when attention called with ``args`` and ``kwargs`` fits the kernel, else why not; ``example`` maps
-    an argument to the (fake) tensor it stands for."""
+def _bound(args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """An attention call's arguments by parameter name."""
     bound = dict(zip(_PARAMETERS, args, strict=False))
     bound.update(kwargs)
-    values = [example(bound.get(name)) for name in ("query", "key", "value")]
+    return bound
+
+
+def _arguments_refusal(bound: dict[str, Any], values: list[Any]) -> str | None:
+    """Why an attention call with arguments ``bound`` (query, key and value standing for the tensors
+    ``values``) cannot take the kernel whatever its mask and shapes, else None."""
     if not all(isinstance(v, torch.Tensor) for v in values):
         return "query, key or value has no traced value"
-    query, key, value = values
-    if bound.get("attn_mask") is not None:
-        return "it has an attention mask"
     if bound.get("dropout_p", 0.0) != 0.0 or not isinstance(bound.get("is_causal", False), bool):
         return "it has dropout or a traced is_causal"
     if not isinstance(bound.get("scale"), (int, float, type(None))):
         return "its scale is traced"
+    query, key, _ = values
     if (all(t.dim() == 4 for t in values) and query.shape[-3] != key.shape[-3]
             and bound.get("enable_gqa") is not True):
         return "its heads differ without grouped-query attention"
-    return attention_ops.kernel_refusal(query, key, value, bool(bound.get("is_causal", False)))
+    return None
+
+
+def _kernel_refusal(args: tuple, kwargs: dict[str, Any]) -> str | None:
+    """None when attention called with tensors ``args`` and ``kwargs`` and no mask fits the kernel, else why
+    not."""
+    bound = _bound(args, kwargs)
+    values = [bound.get(name) for name in ("query", "key", "value")]
+    if bound.get("attn_mask") is not None:
+        return "it has an attention mask"
+    refusal = _arguments_refusal(bound, values)
+    if refusal is not None:
+        return refusal
+    return attention_ops.kernel_refusal(*values, bool(bound.get("is_causal", False)))
 
 
 class _RoutedAttention(TorchFunctionMode):
