@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 __all__ = ["KERNEL_BLOCK", "attention", "attention_backward", "attention_with_grad", "expand_heads", "fold_heads",
-           "keep_mask", "kernel_refusal"]
+           "keep_mask", "kernel_refusal", "probabilities"]
 
 KERNEL_BLOCK = 128
 """The kernel's tile along the sequence: lengths must be multiples of it."""
@@ -93,7 +93,7 @@ def _scores(query, key, kv_valid, left: int, right: int, scale: float) -> torch.
     return scores if keep is None else scores.masked_fill(~keep, float("-inf"))
 
 
-def _probabilities(scores: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+def probabilities(scores: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     """``exp(scores - lse)``, 0 on rows that see no key (``lse`` -inf)."""
     finite = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
     return torch.exp(scores - finite[..., None])
@@ -105,7 +105,7 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_va
     """``(softmax(scale * q k^T, masked) v, logsumexp of each scaled, masked score row)``."""
     scores = _scores(query, key, kv_valid, left, right, scale)
     lse = torch.logsumexp(scores, dim=-1)
-    out = torch.matmul(_probabilities(scores, lse), expand_heads(query, value).float())
+    out = torch.matmul(probabilities(scores, lse), expand_heads(query, value).float())
     return out.to(query.dtype), lse
 
 
@@ -119,12 +119,12 @@ def attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.T
                        out: torch.Tensor, lse: torch.Tensor, kv_valid: torch.Tensor | None, left: int,
                        right: int, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of query, key and value, with the probabilities recomputed from ``lse``."""
-    probabilities = _probabilities(_scores(query, key, kv_valid, left, right, scale), lse)
+    weights = probabilities(_scores(query, key, kv_valid, left, right, scale), lse)
     grad = grad_out.float()
-    grad_value = torch.matmul(probabilities.transpose(-2, -1), grad)
+    grad_value = torch.matmul(weights.transpose(-2, -1), grad)
     grad_probabilities = torch.matmul(grad, expand_heads(query, value).float().transpose(-2, -1))
     row = (grad * out.float()).sum(dim=-1, keepdim=True)
-    grad_scores = probabilities * (grad_probabilities - row) * scale
+    grad_scores = weights * (grad_probabilities - row) * scale
     grad_query = torch.matmul(grad_scores, expand_heads(query, key).float())
     grad_key = torch.matmul(grad_scores.transpose(-2, -1), query.float())
     heads = key.shape[-3]

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from tpucompile import attention_ops
-from tpucompile.attention_ops import expand_heads, fold_heads
+from tpucompile.attention_ops import expand_heads, fold_heads, probabilities
 
 aten = torch.ops.aten
 
@@ -53,13 +53,6 @@ def _masked_scores(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | 
     return scores
 
 
-def _probabilities(scores: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-    """``exp(scores - lse)``; 0 on rows whose every score is masked (their ``lse`` is -inf), as the kernels
-    give."""
-    finite = torch.where(torch.isinf(lse) & (lse < 0), torch.zeros_like(lse), lse)
-    return torch.exp(scores - finite[..., None])
-
-
 def attention_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
                       causal: bool, scale: float | None, kernel: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """``(output, lse)``: the output in the query's dtype, ``lse`` of shape ``(batch, heads, q_len)`` in float32
@@ -69,7 +62,7 @@ def attention_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         return attention_ops.attention(query, key, value, None, -1, 0 if causal else -1, scale)
     scores = _masked_scores(query, key, mask, causal, scale)
     lse = torch.logsumexp(scores, dim=-1)
-    weights = _probabilities(scores, lse).to(value.dtype)
+    weights = probabilities(scores, lse).to(value.dtype)
     return torch.matmul(weights, expand_heads(query, value)).to(query.dtype), lse
 
 
@@ -85,12 +78,12 @@ def attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.T
         return (*attention_ops.attention_backward(grad_out, query, key, value, out, lse, None, -1,
                                                   0 if causal else -1, scale), None)
     dtype = _computation_dtype(query)
-    probabilities = _probabilities(_masked_scores(query, key, mask, causal, scale), lse.to(dtype))
+    weights = probabilities(_masked_scores(query, key, mask, causal, scale), lse.to(dtype))
     grad = grad_out.to(dtype)
-    grad_value = torch.matmul(probabilities.transpose(-2, -1), grad)
+    grad_value = torch.matmul(weights.transpose(-2, -1), grad)
     grad_probabilities = torch.matmul(grad, expand_heads(query, value).to(dtype).transpose(-2, -1))
     row = (grad * out.to(dtype)).sum(dim=-1, keepdim=True)
-    grad_scores = probabilities * (grad_probabilities - row)
+    grad_scores = weights * (grad_probabilities - row)
     grad_query = torch.matmul(grad_scores, expand_heads(query, key).to(dtype)) * scale
     grad_key = torch.matmul(grad_scores.transpose(-2, -1), query.to(dtype)) * scale
     grad_mask = None
