@@ -31,6 +31,7 @@ from torch.overrides import TorchFunctionMode
 from tpucompile import attention_ops
 from tpucompile.frontend.attention_masks import MaskPlan, prove_mask
 from tpucompile.frontend.decompositions import attention_scale, scaled_dot_product_attention
+from tpucompile.passes.dead_code import drop_unread
 
 _ATTENTION_TARGETS = {
     F.scaled_dot_product_attention,
@@ -240,41 +241,9 @@ def rewrite_attention(gm: torch.fx.GraphModule, kernel: bool = False) -> int:
                 node.meta["attention"] = f"math: {call}"
             rewritten += 1
     if rewritten:
-        _drop_unused(gm, replaced)
+        drop_unread(gm, replaced)
         gm.recompile()
     return rewritten
-
-
-def _drop_unused(gm: torch.fx.GraphModule, candidates: list[torch.fx.Node]) -> None:
-    """Remove the nodes a rerouted call no longer reads (its mask's and its repeated keys' computation),
-    where nothing else reads them and they are not in-place ops."""
-    pending, erased = list(candidates), set()
-    while pending:
-        node = pending.pop()
-        if (node in erased or node.op not in ("call_function", "call_method") or node.users
-                or _in_place(node) or node.is_impure()):
-            continue
-        inputs = node.all_input_nodes
-        gm.graph.erase_node(node)
-        erased.add(node)
-        pending.extend(inputs)
-
-
-def _in_place(node: torch.fx.Node) -> bool:
-    """Whether ``node`` may write to its input (``x.add_(y)``, ``torch.relu_``, ``operator.iadd``)."""
-    name = str(node.target if node.op == "call_method" else getattr(node.target, "__name__", ""))
-    if name.startswith("__"):
-        return name.startswith("__i") and name[3:-2] in _AUGMENTED
-    if name in ("and_", "or_", "not_"):
-        return False
-    return name.endswith("_") or (node.target in _IN_PLACE_OPERATORS)
-
-
-_AUGMENTED = {"add", "sub", "mul", "and", "or", "xor", "truediv", "floordiv", "mod", "lshift", "rshift", "pow",
-              "matmul"}
-_IN_PLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.iand, operator.ior, operator.ixor,
-                       operator.itruediv, operator.ifloordiv, operator.imod, operator.ilshift, operator.irshift,
-                       operator.ipow, operator.imatmul, operator.setitem}
 
 
 def _example(value: Any) -> Any:
