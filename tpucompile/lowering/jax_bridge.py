@@ -93,26 +93,25 @@ def call(
 
 
 @contextlib.contextmanager
-def target_platform(platform: str | None) -> Iterator[None]:
-    """Lower jax functions for ``platform`` ("cpu", "cuda", "tpu"; None: jax's default) in this thread."""
-    previous = getattr(_local, "platform", None)
-    _local.platform = platform
+def _thread_setting(name: str, value: object, default: object) -> Iterator[None]:
+    """``name`` set to ``value`` in this thread's settings for the block, then back to what it was."""
+    previous = getattr(_local, name, default)
+    setattr(_local, name, value)
     try:
         yield
     finally:
-        _local.platform = previous
+        setattr(_local, name, previous)
 
 
-@contextlib.contextmanager
-def kernels_interpreted(interpret: bool) -> Iterator[None]:
+def target_platform(platform: str | None) -> contextlib.AbstractContextManager[None]:
+    """Lower jax functions for ``platform`` ("cpu", "cuda", "tpu"; None: jax's default) in this thread."""
+    return _thread_setting("platform", platform, None)
+
+
+def kernels_interpreted(interpret: bool) -> contextlib.AbstractContextManager[None]:
     """With ``interpret``, rules that call Pallas TPU kernels lower them in Pallas' interpret mode, for every
     platform (to check a kernel's values where no TPU is), in this thread."""
-    previous = getattr(_local, "interpret", False)
-    _local.interpret = interpret
-    try:
-        yield
-    finally:
-        _local.interpret = previous
+    return _thread_setting("interpret", interpret, False)
 
 
 def interpreting_kernels() -> bool:
