@@ -19,7 +19,6 @@ from typing import Any
 import torch
 import torch.fx
 from torch._dynamo.backends.common import aot_autograd
-from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from tpucompile import warm_start
 from tpucompile.config import Options
@@ -29,6 +28,7 @@ from tpucompile.errors import OptionsError
 from tpucompile.frontend import (
     KINDS_KEY,
     decomposition_table,
+    fitting_partition,
     input_kinds,
     mark_donatable,
     rewrite_attention,
@@ -86,7 +86,7 @@ def tpucompile_backend(
             bw_compiler=compiler("backward"),
             inference_compiler=compiler("inference"),
             decompositions=decomposition_table(custom_ops_lowered_whole(config), attention_kernel_wanted(config)),
-            partition_fn=min_cut_rematerialization_partition,
+            partition_fn=fitting_partition(config, kinds),
         )(gm, example_inputs))
     return compiled if recorder is None else recorder.take_over(compiled)
 
@@ -94,9 +94,11 @@ def tpucompile_backend(
 def _aot_autograd_settings(config: Options) -> contextlib.AbstractContextManager:
     """The functorch settings tpucompile traces with. Effect tokens (e.g. the error checks around linalg ops)
     stay inside the graphs instead of becoming runtime inputs that AOTAutograd passes as None. The
-    partition's activation budget is this compile's, not the process's (the option is in the plan key)."""
+    partition's activation budget is this compile's, not the process's (the option is in the plan key); at
+    "auto" the partition function picks it."""
+    budget = config.activation_memory_budget
     return torch._functorch.config.patch(unlift_effect_tokens=True,
-                                         activation_memory_budget=config.activation_memory_budget)
+                                         activation_memory_budget=1.0 if budget == "auto" else budget)
 
 
 def _compile_only_when_meta(config: Options, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Options:

@@ -90,12 +90,14 @@ class Options:
     statistics), whose new values then take their memory, as ``jax.jit``'s ``donate_argnums`` does. Never a
     tensor the user holds, never while autograd may run the backward again (``retain_graph``)."""
 
-    activation_memory_budget: float = 1.0
+    activation_memory_budget: float | str = "auto"
     """What the forward of a training graph may save for its backward, as a fraction of what the min-cut
     partition saves when it recomputes nothing costly (AOTAutograd's ``activation_memory_budget``): below 1,
     the backward recomputes more (matrix products too) to hold less between the two programs. 1 saves the
     least memory traffic; on a TPU target 0.5 roughly halves the saved bytes of a GPT block for about 10% more
-    flops and bytes (``docs/benchmarks.md``)."""
+    flops and bytes (``docs/benchmarks.md``). "auto": 1 unless the step's estimated peak exceeds the HBM of a
+    chip of the targets, then the largest budget whose estimate fits (``frontend/activation_budget.py``); the
+    step report says what was chosen."""
 
     host_kernels: str = "auto"
     """Which matrix products and f32 convolutions of CPU programs call the host BLAS kernels instead of XLA's
@@ -234,6 +236,8 @@ def parse_size(text: str) -> int:
 
 
 def _check_type(name: str, value: Any, annotation: str) -> Any:
+    if name == "activation_memory_budget":
+        return _activation_budget(value)
     if name in _CHOICES and value not in _CHOICES[name]:
         raise OptionsError(f"tpucompile option {name!r} must be one of {', '.join(_CHOICES[name])}, got {value!r}")
     if annotation == "bool" and not isinstance(value, bool):
@@ -244,8 +248,6 @@ def _check_type(name: str, value: Any, annotation: str) -> Any:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise OptionsError(f"tpucompile option {name!r} must be a number, got {value!r}")
         value = float(value)
-        if name == "activation_memory_budget" and not 0.0 <= value <= 1.0:
-            raise OptionsError(f"tpucompile option {name!r} must be between 0 and 1, got {value!r}")
         if name == "cache_remote_lease" and not value > 0:
             raise OptionsError(f"tpucompile option {name!r} must be a positive number of seconds, got {value!r}")
         if name == "cache_remote_wait" and not value >= 0:
@@ -282,6 +284,23 @@ def _check_type(name: str, value: Any, annotation: str) -> Any:
     if name == "shard":
         return shard_option(value)
     return value
+
+
+def _activation_budget(value: Any) -> float | str:
+    """"auto", or a fraction between 0 and 1 (a number, or its text from the environment)."""
+    if value == "auto":
+        return value
+    number = value
+    if isinstance(value, str):
+        try:
+            number = float(value)
+        except ValueError:
+            number = None
+    if isinstance(number, bool) or not isinstance(number, (int, float)) or not 0.0 <= number <= 1.0:
+        what = "not a number" if number is None else "out of range"
+        raise OptionsError(f"tpucompile option 'activation_memory_budget' must be \"auto\" or a number between 0 "
+                           f"and 1, got {value!r} ({what})")
+    return float(number)
 
 
 def _bucket_key(key: Any) -> str:

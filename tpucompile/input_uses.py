@@ -9,3 +9,6 @@ RETURNED_GRADIENTS = "gradients_returned"
 USES = (PARAMETERS, GRADIENTS, OPTIMIZER_STATE, ACTIVATIONS, INPUTS)
 KINDS_KEY = "tpucompile_input_kinds"
 """The ``meta`` key of an ATen graph holding the use of each of its inputs (by AOTAutograd's order)."""
+BUDGET_KEY = "tpucompile_activation_budget"
+"""The ``meta`` key of a training graph's forward and backward holding how the activation budget it was
+partitioned with was chosen (``frontend.activation_budget.BudgetChoice.as_dict``)."""

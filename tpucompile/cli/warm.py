@@ -13,6 +13,7 @@ from tpucompile.cli.common import emit, progress_lines
 from tpucompile.cli.script import run_script, script_settings
 from tpucompile.config import effective_environ
 from tpucompile.debug.step_report import format_step_report, step_report
+from tpucompile.input_uses import BUDGET_KEY
 
 
 def warm(args: argparse.Namespace) -> int:
@@ -113,13 +114,16 @@ def _without_executable(event: Any) -> Any:
     from tpucompile.debug.uses import graph_uses
 
     uses = graph_uses(event.graph) if event.target is not None and event.graph is not None else {}
-    return dataclasses.replace(event, executable=None, graph=None, report={**(event.report or {}), "uses": uses})
+    budget = None if event.graph is None else event.graph.meta.get(BUDGET_KEY)
+    return dataclasses.replace(event, executable=None, graph=None,
+                               report={**(event.report or {}), "uses": uses, "activation_budget": budget})
 
 
 def _step_report(events: list[Any], target: str) -> dict[str, Any]:
     graphs = [{"name": e.name, "role": e.name.rsplit("(", 1)[-1].split(")")[0] if "(" in e.name else "graph",
                "uses": (e.report or {}).get("uses", {}), "report": e.report or {},
-               "error": str(e.error) if e.error is not None else None, "out_of_memory": e.out_of_memory}
+               "error": str(e.error) if e.error is not None else None, "out_of_memory": e.out_of_memory,
+               "activation_budget": (e.report or {}).get("activation_budget")}
               for e in events]
     return step_report(graphs, target)
 

@@ -21,6 +21,7 @@ from tpucompile.debug.layout import ENV_VAR, GRAPH_FOLDER, STAGES
 from tpucompile.debug.reader import read_dump
 from tpucompile.debug.report import format_summary
 from tpucompile.debug.stablehlo_text import asm
+from tpucompile.input_uses import BUDGET_KEY
 from tpucompile.targets import GENERATIONS, slug
 
 if TYPE_CHECKING:
@@ -145,6 +146,7 @@ class Recorder:
             "fallback_ops": fallback,
             "saved_for_backward": event.saved_for_backward(),
             "uses_per_chip": _uses(event.graph),
+            "activation_budget": None if event.graph is None else event.graph.meta.get(BUDGET_KEY),
             "source_files": files,
             "stablehlo_version": version,
             "errors": errors,

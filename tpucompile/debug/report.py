@@ -33,7 +33,8 @@ def step_reports(infos: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     names = list(dict.fromkeys(t for info in infos for t in info.get("targets", {})))
     return {name: step_report([{"name": info["name"], "role": info["role"], "uses": info.get("uses_per_chip") or {},
                                 "report": info["targets"][name], "error": info["targets"][name].get("error"),
-                                "out_of_memory": info["targets"][name].get("fits") is False}
+                                "out_of_memory": info["targets"][name].get("fits") is False,
+                                "activation_budget": info.get("activation_budget")}
                                for info in infos if name in info.get("targets", {})], name) for name in names}
 
 

@@ -4,8 +4,9 @@ the chip's HBM, and how long XLA's TPU compiler expects it to take; what ``dump-
 
 Per-chip bytes by use come from the ATen graphs (``uses``); temporaries and each program's peak from XLA's
 memory statistics of the target's compile. The step's peak is an estimate: the largest of each program's peak
-plus what stays resident outside it (the optimiser state, while the forward and backward run). Pure Python, so
-that reading a dump stays quick.
+plus what stays resident outside it (the optimiser state, while the forward and backward run). Each training
+graph's activation budget, and why it was chosen, comes with its forward (``frontend/activation_budget.py``).
+Pure Python, so that reading a dump stays quick.
 """
 
 from __future__ import annotations
@@ -67,6 +68,8 @@ def step_report(graphs: Sequence[dict[str, Any]], target: str) -> dict[str, Any]
                           if complete and seconds > 0 and generation else None),
         "roofline_step_seconds": bound if complete else None,
         "roofline_mfu": flops / (bound * generation.peak_bf16_flops) if complete and bound and generation else None,
+        "activation_budgets": {g["name"].rsplit(" (", 1)[0]: g["activation_budget"] for g in forwards
+                               if g.get("activation_budget")},
     }
 
 
@@ -160,9 +163,27 @@ def format_step_report(report: dict[str, Any]) -> str:
                      f"{report['roofline_mfu']:.0%}")
     lines.append("  (MFU: the programs' own flops per chip over the step time at the chip's peak; neither estimate "
                  "counts time on the chip interconnect)")
+    lines += [f"  {_budget_line(name, choice)}" for name, choice in report.get("activation_budgets", {}).items()]
     for name, error in report["failed"].items():
         lines.append(f"  {name}: {error}")
     return "\n".join(lines)
+
+
+def _budget_line(graph: str, choice: dict[str, Any]) -> str:
+    """How the activation budget of one training graph's partition was chosen (``BudgetChoice``)."""
+    budget, estimate, hbm = choice["budget"], choice["estimated_peak"], choice["hbm"]
+    head = f"activation budget of {graph}: {budget:.3g}"
+    if not choice["chosen"]:
+        return f"{head}, set by the activation_memory_budget option (estimated peak {_gib(estimate)})"
+    if hbm is None:
+        return f"{head} (no target HBM to fit)"
+    if choice["peak_at_full_budget"] is None:
+        return f"{head}, chosen: the step's estimated peak {_gib(estimate)} fits {_gib(hbm)} as it is"
+    over = f"at 1 the step's estimated peak is {_gib(choice['peak_at_full_budget'])}, over the chip's {_gib(hbm)}"
+    if not choice["fits"]:
+        return (f"{head}, chosen: {over}, and no budget fits: {_gib(estimate)} at best; lower the batch per chip, "
+                "or spread the model over more chips")
+    return f"{head}, chosen: {over}; at {budget:.3g} it is {_gib(estimate)} (the backward recomputes the rest)"
 
 
 def _gib(count: float | None) -> str:

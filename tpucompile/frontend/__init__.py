@@ -7,6 +7,7 @@ rewritten here, and the arguments of AOTAutograd's graphs their programs may tak
 noted (``input_kinds``). Passes over the ATen graphs live in ``tpucompile.passes``.
 """
 
+from tpucompile.frontend.activation_budget import BUDGET_KEY, fitting_partition
 from tpucompile.frontend.attention import rewrite_attention
 from tpucompile.frontend.decompositions import decomposition_table
 from tpucompile.frontend.donation import mark_donatable
@@ -15,8 +16,10 @@ from tpucompile.frontend.interpolation import rewrite_interpolation
 from tpucompile.frontend.meta_tracing import traced_like_real_tensors
 
 __all__ = [
+    "BUDGET_KEY",
     "KINDS_KEY",
     "decomposition_table",
+    "fitting_partition",
     "input_kinds",
     "mark_donatable",
     "rewrite_attention",

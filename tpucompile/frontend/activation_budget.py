@@ -1,0 +1,251 @@
+"""Choosing what a training graph's forward saves for its backward so that the step fits the chip.
+
+AOTAutograd splits a joint forward-backward graph with a partition function; its ``activation_memory_budget``
+trades saved activations for recomputation in the backward (1: save what the min-cut saves; 0: recompute
+everything that can be). With the ``activation_memory_budget`` option at "auto", ``fitting_partition`` makes
+that choice per graph: it partitions at 1, estimates the step's peak bytes per chip, and when that exceeds the
+chip's HBM searches for the largest budget whose estimate fits. The choice travels with the forward and
+backward graphs (``meta[BUDGET_KEY]``) into the step report.
+
+The estimate is a liveness walk over each ATen graph in its order: every value is held from the op that makes
+it to its last reader, views hold nothing of their own, elementwise results read only nearby by elementwise
+ops and reductions are fused away, a graph's inputs are held throughout, and what the forward reads but does
+not save stays resident while the backward runs. It follows the graph's order, not XLA's schedule: where the
+partition recomputes a long chain (a residual stream from the embedding), XLA keeps more alive than the walk
+does, and the compile's own report is the word on whether the step fits. It does not see state compiled in
+other graphs (an optimiser's), which the step report adds from those graphs.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import operator
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.fx
+from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+from tpucompile.config import Options
+from tpucompile.input_uses import BUDGET_KEY, PARAMETERS
+from tpucompile.targets import GENERATIONS
+from tpucompile.targets import parse as parse_target
+
+FIT_FRACTION = 0.95
+"""The share of a chip's HBM a lowered budget's estimate may fill: the rest covers the estimate's error and the
+runtime's own reserve. (The budget is lowered only when the estimate at 1 exceeds the whole HBM: near the
+edge, a step XLA would take as it is must not pay for recomputation.)"""
+
+SEARCH_STEPS = 6
+"""Bisection steps between 0 and 1 (the budget found within 1/64 of the largest that fits)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class BudgetChoice:
+    """The budget one training graph was partitioned with, and why."""
+
+    budget: float
+    chosen: bool
+    """True when the budget was searched for (the option at "auto"); False when the option set it."""
+    estimated_peak: int | None
+    """The step's estimated peak bytes per chip at ``budget`` (None when nothing was estimated)."""
+    hbm: int | None
+    """The smallest HBM per chip among the targets (None: no target with a known HBM)."""
+    peak_at_full_budget: int | None
+    """The estimate at budget 1, when a lower budget was chosen."""
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.hbm is None or self.estimated_peak is None else self.estimated_peak <= self.hbm
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "fits": self.fits}
+
+
+def target_hbm(config: Options) -> int | None:
+    """The HBM one chip of the smallest-memory compile target offers a program; None without such targets."""
+    sizes = [GENERATIONS[generation].hbm_bytes for name in config.targets
+             if (generation := parse_target(name).generation) is not None]
+    return min(sizes) if sizes else None
+
+
+def _fits(peak: int, hbm: int) -> bool:
+    return peak <= FIT_FRACTION * hbm
+
+
+def fitting_partition(config: Options, kinds: Sequence[str | None]) -> Callable[..., Any]:
+    """An AOTAutograd partition function for ``config``: the min-cut at the option's budget, or, with the option
+    at "auto", at the largest budget whose estimated step peak fits the targets' HBM (1 when it fits as it is,
+    or when there is no target to fit). ``kinds`` is each graph input's use (``frontend.input_kinds``)."""
+    hbm = target_hbm(config)
+    divisors = _input_divisors(config)
+    activation_divisor = max((d for d, kind in zip(divisors, kinds, strict=False) if kind != PARAMETERS), default=1)
+
+    def partition(joint_module: torch.fx.GraphModule, joint_inputs: Sequence[Any], **kwargs: Any) -> Any:
+        def split(budget: float) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule, int]:
+            with torch._functorch.config.patch(activation_memory_budget=budget):
+                forward, backward = min_cut_rematerialization_partition(joint_module, joint_inputs, **kwargs)
+            return forward, backward, step_peak(forward, backward, divisors, activation_divisor)
+
+        if config.activation_memory_budget != "auto":
+            budget = float(config.activation_memory_budget)
+            forward, backward, peak = split(budget)
+            choice = BudgetChoice(budget, False, peak, hbm, None)
+        else:
+            forward, backward, choice = _search(split, hbm)
+        forward.meta[BUDGET_KEY] = backward.meta[BUDGET_KEY] = choice.as_dict()
+        return forward, backward
+
+    return partition
+
+
+def _search(split: Callable[[float], tuple[Any, Any, int]], hbm: int | None) -> tuple[Any, Any, BudgetChoice]:
+    """The partition at the largest budget whose estimate fits ``hbm``: 1 when the estimate at 1 is within the
+    chip (or there is no HBM to fit), else found by bisection (fitting: look higher; not: lower), then 0; when
+    none fits, the budget of the smallest estimate (the report then says it does not fit). The estimate is not
+    monotone near 0: saving nothing makes the backward recompute every layer's activations at once."""
+    forward, backward, full = split(1.0)
+    if hbm is None or full <= hbm:  # within the estimate's error of fitting: left to XLA as it is
+        return forward, backward, BudgetChoice(1.0, True, full, hbm, None)
+    tried = {1.0: (forward, backward, full)}
+    low, high = 0.0, 1.0
+    for _ in range(SEARCH_STEPS):
+        middle = (low + high) / 2
+        tried[middle] = split(middle)
+        low, high = (middle, high) if _fits(tried[middle][2], hbm) else (low, middle)
+    if low == 0.0:
+        tried[0.0] = split(0.0)
+    fitting = [budget for budget, (_, _, peak) in tried.items() if _fits(peak, hbm)]
+    budget = max(fitting) if fitting else min(tried, key=lambda b: (tried[b][2], -b))
+    forward, backward, peak = tried[budget]
+    return forward, backward, BudgetChoice(budget, True, peak, hbm, full)
+
+
+def step_peak(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule, input_divisors: Sequence[int] = (),
+              activation_divisor: int = 1) -> int:
+    """Estimated peak bytes per chip of a forward and its backward: the larger of the forward's own peak and the
+    backward's plus the forward inputs it does not read (held by the caller meanwhile: parameters, the batch).
+    ``input_divisors[i]``: how many chips share graph input i; other values are split ``activation_divisor``
+    ways (the batch's split)."""
+
+    def size(node: torch.fx.Node) -> int:
+        index = _primal_index(node)
+        divisor = input_divisors[index] if index is not None and index < len(input_divisors) else activation_divisor
+        return _bytes(node.meta.get("val")) // max(divisor, 1)
+
+    read_by_backward = {n.name for n in backward.graph.nodes if n.op == "placeholder"}
+    held = sum(size(n) for n in forward.graph.nodes if n.op == "placeholder" and n.name not in read_by_backward)
+    return max(program_peak(forward, size), program_peak(backward, size) + held)
+
+
+def program_peak(gm: torch.fx.GraphModule, size: Callable[[torch.fx.Node], int]) -> int:
+    """The most bytes live at once while ``gm``'s ops run in order: inputs throughout, each other value from
+    its op to its last reader (the output's values to the end), a view's bytes as its base's, and nothing for
+    an elementwise result only elementwise ops and reductions read (fused away)."""
+    nodes = list(gm.graph.nodes)
+    size = _unless_fused(size, _fused(nodes))
+    owner: dict[torch.fx.Node, torch.fx.Node] = {}
+    for node in nodes:
+        base = node.args[0] if _is_view(node) and node.args and isinstance(node.args[0], torch.fx.Node) else None
+        owner[node] = owner[base] if base is not None else node
+    last = {node: (len(nodes) if node.op in ("placeholder", "output") else index) for index, node in enumerate(nodes)}
+    for index, node in enumerate(nodes):
+        for value in node.all_input_nodes:
+            root = owner[value]
+            last[root] = max(last[root], len(nodes) if node.op == "output" else index)
+    frees: dict[int, list[torch.fx.Node]] = collections.defaultdict(list)
+    for node, index in last.items():
+        if owner[node] is node:
+            frees[index].append(node)
+    live = peak = 0
+    for index, node in enumerate(nodes):
+        if owner[node] is node:
+            live += size(node)
+        peak = max(peak, live)
+        live -= sum(size(freed) for freed in frees[index])
+    return peak
+
+
+def _fused(nodes: list[torch.fx.Node]) -> set[torch.fx.Node]:
+    """Elementwise results XLA would not store: every reader is an elementwise op or a reduction (which take
+    elementwise producers into their own fusion) and reads it before the next op that does not fuse them
+    (a product, a gather, a custom call); one read later, across such an op, keeps it in memory."""
+    barrier_after: dict[torch.fx.Node, int] = {}
+    next_barrier = len(nodes)
+    for index in range(len(nodes) - 1, -1, -1):
+        barrier_after[nodes[index]] = next_barrier
+        node = nodes[index]
+        if node.op == "call_function" and not (_fuses_producers(node) or _is_view(node)
+                                               or node.target is operator.getitem):
+            next_barrier = index
+    position = {node: index for index, node in enumerate(nodes)}
+    return {node for node in nodes if _pointwise(node) and node.users
+            and all(_fuses_producers(u) and position[u] <= barrier_after[node] for u in node.users)}
+
+
+def _unless_fused(size: Callable[[torch.fx.Node], int], fused: set[torch.fx.Node]) -> Callable[[torch.fx.Node], int]:
+    return lambda node: 0 if node in fused else size(node)
+
+
+_CONVERSIONS = {torch.ops.aten._to_copy.default, torch.ops.prims.convert_element_type.default}
+
+
+def _pointwise(node: torch.fx.Node) -> bool:
+    """An elementwise op or a dtype conversion: XLA fuses chains of them into one loop."""
+    return node.op == "call_function" and (node.target in _CONVERSIONS
+                                           or torch.Tag.pointwise in getattr(node.target, "tags", ()))
+
+
+def _fuses_producers(node: torch.fx.Node) -> bool:
+    """An op that takes elementwise producers into its own fusion (a loop, or a reduction's input), so a value
+    only such ops read is never stored."""
+    return _pointwise(node) or (node.op == "call_function"
+                                and torch.Tag.reduction in getattr(node.target, "tags", ()))
+
+
+def _is_view(node: torch.fx.Node) -> bool:
+    """An op whose result aliases its first argument (its schema says so)."""
+    if node.op != "call_function":
+        return False
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or not schema.arguments:
+        return False
+    alias = schema.arguments[0].alias_info
+    return alias is not None and not alias.is_write
+
+
+def _bytes(value: Any) -> int:
+    """Bytes of a traced tensor at its traced sizes, read without adding guards. A tuple result holds nothing
+    of its own: its elements are counted where they are taken out of it."""
+    if not isinstance(value, torch.Tensor):
+        return 0
+    count = 1
+    for dim in value.shape:
+        count *= _hint(dim)
+    return count * value.element_size()
+
+
+def _hint(size: int | torch.SymInt) -> int:
+    if isinstance(size, torch.SymInt):
+        hint = size.node.hint
+        return int(hint) if hint is not None else 1
+    return int(size)
+
+
+def _primal_index(node: torch.fx.Node) -> int | None:
+    if node.op != "placeholder" or not node.name.startswith("primals_"):
+        return None
+    suffix = node.name.removeprefix("primals_")
+    return int(suffix) - 1 if suffix.isdigit() else None
+
+
+def _input_divisors(config: Options) -> tuple[int, ...]:
+    """For each graph input, how many chips share it under the bound sharding plan (1 each without a mesh)."""
+    plan, mesh = config.shard, config.mesh
+    if plan is None or mesh is None or plan.bound is None:
+        return ()
+    return tuple(1 if dims is None else math.prod(mesh.axis_size(axis) for dim in dims for axis in dim)
+                 for dims in plan.bound)
