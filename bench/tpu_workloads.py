@@ -146,23 +146,23 @@ def dlrm() -> TpuWorkload:
                        _reference("dlrm"), True)
 
 
-def _hugging_face(name: str, model_class: str, config: Any) -> TpuWorkload:
-    """A transformers decoder at 4 x 1024 tokens with a padding mask (all ones, as a tokenizer gives for full
-    rows), which transformers turns into a boolean mask inside the graph; the reference
-    (``jax_reference/hf_decoder.py``) calls the splash kernel with the same mask."""
+def _hugging_face(name: str, model_class: str, config: Any, length: int = 1024,
+                  reference: str = "hf_decoder") -> TpuWorkload:
+    """A transformers decoder at 4 x ``length`` tokens with a padding mask (all ones, as a tokenizer gives for
+    full rows), which transformers turns into a boolean mask inside the graph; the reference
+    (``jax_reference/hf_decoder.py``, ``hf_gpt2.py``) calls the splash kernel with the same mask."""
     import transformers
 
     config._attn_implementation = "sdpa"
-    tokens, targets = _tokens(config.vocab_size, 4, 1024)
-    valid = torch.ones(4, 1024, dtype=torch.long)
+    tokens, targets = _tokens(config.vocab_size, 4, length)
+    valid = torch.ones(4, length, dtype=torch.long)
 
     def loss(net, tokens, valid, targets):
         logits = net(input_ids=tokens, attention_mask=valid).logits
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
     model = getattr(transformers, model_class)(config)
-    return TpuWorkload(name, model, config, (tokens, valid), (tokens, valid, targets), loss,
-                       _reference("hf_decoder"))
+    return TpuWorkload(name, model, config, (tokens, valid), (tokens, valid, targets), loss, _reference(reference))
 
 
 _HF_SIZE = dict(vocab_size=32768, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
@@ -192,8 +192,46 @@ def hf_qwen3() -> TpuWorkload:
     return _hugging_face("hf_qwen3", "Qwen3ForCausalLM", transformers.Qwen3Config(**_HF_SIZE, head_dim=128))
 
 
+def hf_gpt2() -> TpuWorkload:
+    """Hugging Face's ``GPT2LMHeadModel`` at the same width and depth, 16 heads of 64, dropout off."""
+    import transformers
+
+    return _hugging_face("hf_gpt2", "GPT2LMHeadModel", transformers.GPT2Config(**_GPT2_SIZE), reference="hf_gpt2")
+
+
+_GPT2_SIZE = dict(vocab_size=32768, n_embd=1024, n_layer=4, n_head=16, n_positions=1024, resid_pdrop=0.0,
+                  embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False, bos_token_id=0, eos_token_id=0)
+
+_HF_1B = dict(vocab_size=32768, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
+              num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=2048, use_cache=False)
+"""About 1B parameters (0.86B with a 32768-token vocabulary): 16 layers of width 2048, 16 query / 4 key-value
+heads of 128, SwiGLU 5632; trained at 4 x 2048 tokens on one chip."""
+
+
+def _hf_1b(name: str) -> Callable[[], TpuWorkload]:
+    """The 1B-size form of an HF workload, at 4 x 2048 tokens."""
+
+    def build() -> TpuWorkload:
+        import transformers
+
+        if name == "hf_gpt2":
+            config = transformers.GPT2Config(**{**_GPT2_SIZE, "n_embd": 2048, "n_layer": 16, "n_head": 32,
+                                                "n_positions": 2048})
+            return _hugging_face("hf_gpt2_1b", "GPT2LMHeadModel", config, 2048, "hf_gpt2")
+        config_class, model_class, extra = {
+            "hf_llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+            "hf_mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 1024}),
+            "hf_qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 128}),
+        }[name]
+        config = getattr(transformers, config_class)(**_HF_1B, **extra)
+        return _hugging_face(f"{name}_1b", model_class, config, 2048)
+
+    return build
+
+
 _BUILDERS: dict[str, Callable[[], TpuWorkload]] = {
     "gpt": gpt, "llama": llama, "qwen": qwen, "resnet": resnet, "unet": unet, "dlrm": dlrm, "hf_llama": hf_llama,
-    "hf_mistral": hf_mistral, "hf_qwen3": hf_qwen3,
+    "hf_mistral": hf_mistral, "hf_qwen3": hf_qwen3, "hf_gpt2": hf_gpt2,
+    **{f"{name}_1b": _hf_1b(name) for name in ("hf_llama", "hf_mistral", "hf_qwen3", "hf_gpt2")},
 }
 NAMES = tuple(_BUILDERS)

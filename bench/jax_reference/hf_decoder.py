@@ -113,5 +113,10 @@ def forward(params: dict[str, jax.Array], inputs: tuple, config) -> jax.Array:
 
 def loss(params: dict[str, jax.Array], inputs: tuple, config) -> jax.Array:
     tokens, valid, targets = inputs
-    log_probs = jax.nn.log_softmax(_logits(params, tokens, valid, config).astype(jnp.float32), axis=-1)
+    return cross_entropy(_logits(params, tokens, valid, config), targets)
+
+
+def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """The mean cross-entropy over every position, in float32 (as the benchmark's torch loss)."""
+    log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     return -jnp.take_along_axis(log_probs, targets[..., None], axis=-1).mean()

@@ -175,28 +175,34 @@ def test_bfloat16_matches_torch(name):
     np.testing.assert_allclose(_numpy(loss), _numpy(expected), rtol=BF16_LOSS_RTOL, err_msg=f"{name} loss")
 
 
+_LLAMA_SIZE = dict(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
 HUGGING_FACE = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
-    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 40}),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32}),
+    "llama": ("hf_decoder", "LlamaConfig", "LlamaForCausalLM", _LLAMA_SIZE),
+    "mistral": ("hf_decoder", "MistralConfig", "MistralForCausalLM", {**_LLAMA_SIZE, "sliding_window": 40}),
+    "qwen3": ("hf_decoder", "Qwen3Config", "Qwen3ForCausalLM", {**_LLAMA_SIZE, "head_dim": 32}),
+    "gpt2": ("hf_gpt2", "GPT2Config", "GPT2LMHeadModel", dict(
+        vocab_size=128, n_embd=128, n_layer=2, n_head=2, n_positions=256, resid_pdrop=0.0, embd_pdrop=0.0,
+        attn_pdrop=0.0)),
 }
 
 
 @pytest.mark.parametrize("name", list(HUGGING_FACE))
 def test_hugging_face_decoder_reference_with_the_splash_kernel_matches_transformers(name, monkeypatch):
-    """``bench/jax_reference/hf_decoder.py`` (the splash kernel run by Pallas' interpreter) against
-    transformers' model eagerly, at a small config with grouped-query heads and padding: the logits, the loss
-    and every parameter's gradient (Mistral's window shorter than the sequence)."""
+    """``bench/jax_reference/hf_decoder.py`` and ``hf_gpt2.py`` (the splash kernel run by Pallas' interpreter)
+    against transformers' model eagerly, at a small config with grouped-query heads (GPT-2: heads of 64) and
+    padding: the logits, the loss and every parameter's gradient (Mistral's window shorter than the sequence)."""
+    import importlib
+
     import transformers
 
     from bench.jax_reference import hf_decoder
 
     monkeypatch.setattr(hf_decoder, "INTERPRET", True)
-    config_class, model_class, extra = HUGGING_FACE[name]
+    module, config_class, model_class, sizes = HUGGING_FACE[name]
+    reference = importlib.import_module(f"bench.jax_reference.{module}")
     torch.manual_seed(0)
-    config = getattr(transformers, config_class)(
-        vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, use_cache=False, **extra)
+    config = getattr(transformers, config_class)(**sizes, use_cache=False)
     config._attn_implementation = "sdpa"
     model = getattr(transformers, model_class)(config)
     generator = torch.Generator().manual_seed(1)
@@ -208,8 +214,8 @@ def test_hugging_face_decoder_reference_with_the_splash_kernel_matches_transform
     expected_loss.backward()
     params = _params(model, jnp.float32)
     inputs = (_ints(tokens), _ints(valid))
-    got_logits = jax.jit(lambda p, i: hf_decoder.forward(p, i, config))(params, inputs)
-    loss, grads = jax.jit(jax.value_and_grad(lambda p, i: hf_decoder.loss(p, i, config)))(
+    got_logits = jax.jit(lambda p, i: reference.forward(p, i, config))(params, inputs)
+    loss, grads = jax.jit(jax.value_and_grad(lambda p, i: reference.loss(p, i, config)))(
         params, (*inputs, _ints(targets)))
     _assert_close(got_logits, logits.detach(), f"{name} logits")
     _assert_close(loss, expected_loss, f"{name} loss")
