@@ -286,4 +286,8 @@ def test_a_compile_only_run_is_dumped_with_its_step_report(tmp_path):
     weights = sum(p.numel() * 4 for p in net.parameters())
     report = step_reports(infos)[TARGET]
     assert report["bytes_per_chip"]["parameters"] == weights and report["fits"]
-    assert f"{TARGET}: one step per chip" in format_summary(infos)
+    (graph,) = report["activation_budgets"]
+    assert report["activation_budgets"][graph]["budget"] == 1.0 and report["activation_budgets"][graph]["chosen"]
+    summary = format_summary(infos)
+    assert f"{TARGET}: one step per chip" in summary
+    assert f"activation budget of {graph}: 1, chosen: the step's estimated peak" in summary, summary
