@@ -9,7 +9,8 @@ No TPU is needed: libtpu compiles for a chip described by topology, and the figu
 inference and training, float32 and bfloat16, goes through ``torch.compile(backend="tpucompile",
 options={"targets": [target], "compile_only": True})``: its graphs are lowered and compiled for the target and
 nothing runs here. The reference is ``bench/jax_reference/<model>.py``, jitted for the same device: its
-forward for inference, one ``jax.jit(jax.value_and_grad(loss))`` program for training.
+forward for inference, one ``jax.jit(jax.value_and_grad(loss))`` program for training; its attention is
+jax's splash kernel, as tpucompile's is on a TPU (``--reference-attention math`` for the math form).
 
 Per row: flops, bytes and estimated time summed over tpucompile's programs (forward + backward in training),
 peak memory as the largest program's, the bytes the forward saves for the backward (activations; weights it
@@ -41,6 +42,7 @@ from jaxlib import _hlo
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import hlo_bytes
 import tpu_workloads
+from jax_reference import attention as reference_attention
 
 from tpucompile import driver
 from tpucompile.runtime.targets.compile_only import compile_only_target
@@ -316,11 +318,16 @@ def main() -> None:
     parser.add_argument("--breakdown", action="append", default=[],
                         help="workload:mode:dtype whose programs to break down by bytes (repeatable)")
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--reference-attention", choices=("kernel", "math"), default="kernel",
+                        help="the example models' references (GPT, Llama, Qwen): attention by the splash kernel, "
+                             "as a JAX user writes it for a TPU, or in its math form (the HF references always "
+                             "take the kernel)")
     parser.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
                         help="a tpucompile option for our side, e.g. activation_memory_budget=0.5 (repeatable; "
                              "the value is read as JSON, else as a string)")
     args = parser.parse_args()
     extra = dict(_option(text) for text in args.option)
+    reference_attention.KERNEL = args.reference_attention == "kernel"
 
     device = compile_only_target(args.target).devices[0]
     peak_flops = PEAK_BF16_FLOPS.get(device.device_kind)

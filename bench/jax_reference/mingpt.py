@@ -10,11 +10,12 @@ dtype once (torch does much the same inside its kernels), and the loss comes bac
 is in the parameters' dtype).
 """
 
-import math
 from typing import Protocol
 
 import jax
 import jax.numpy as jnp
+
+from . import attention
 
 
 class GPTConfigLike(Protocol):
@@ -42,21 +43,11 @@ def _layer_norm(x: jax.Array, weight: jax.Array, bias: jax.Array, eps: float = 1
     return (normed * weight.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
 
 
-def _causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-    """softmax(q k^T / sqrt(head_dim), causal) v for (batch, length, heads, head_dim) ``q``, ``k``, ``v``."""
-    length, head_dim = q.shape[1], q.shape[3]
-    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / math.sqrt(head_dim)
-    causal = jnp.tril(jnp.ones((length, length), dtype=bool))
-    scores = jnp.where(causal, scores, -jnp.inf)  # the diagonal is never masked, so no row is all -inf
-    weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    return jnp.einsum("bhqk,bkhd->bqhd", weights, v)
-
-
 def _attention(params: dict[str, jax.Array], prefix: str, x: jax.Array, n_head: int) -> jax.Array:
     batch, length, width = x.shape
     qkv = _linear(x, params[f"{prefix}.qkv.weight"], params[f"{prefix}.qkv.bias"])
     q, k, v = (t.reshape(batch, length, n_head, width // n_head) for t in jnp.split(qkv, 3, axis=-1))
-    y = _causal_attention(q, k, v).reshape(batch, length, width)
+    y = attention.causal_attention(q, k, v)
     return _linear(y, params[f"{prefix}.proj.weight"], params[f"{prefix}.proj.bias"])
 
 

@@ -19,11 +19,12 @@ The top-k is ``jax.lax.top_k``, which breaks ties toward the lower expert index;
 exactly for a few tokens a layer, and those tokens then take another expert than in torch.
 """
 
-import math
 from typing import Protocol
 
 import jax
 import jax.numpy as jnp
+
+from . import attention
 
 
 class QwenConfigLike(Protocol):
@@ -76,21 +77,6 @@ def _apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return x * cos + _rotate_half(x) * sin
 
 
-def _causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-    """Grouped-query causal attention: ``q`` (batch, length, heads, head_dim), ``k``/``v`` (batch, length,
-    kv_heads, head_dim); query head ``h`` reads key/value head ``h // (heads // kv_heads)``, as torch's
-    ``enable_gqa`` does. Returns (batch, length, heads * head_dim)."""
-    batch, length, n_heads, head_dim = q.shape
-    n_kv_heads = k.shape[2]
-    q = q.reshape(batch, length, n_kv_heads, n_heads // n_kv_heads, head_dim)
-    scores = jnp.einsum("bqhgd,bkhd->bhgqk", q, k).astype(jnp.float32) / math.sqrt(head_dim)
-    causal = jnp.tril(jnp.ones((length, length), dtype=bool))
-    scores = jnp.where(causal, scores, -jnp.inf)  # the diagonal is never masked, so no row is all -inf
-    weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    y = jnp.einsum("bhgqk,bkhd->bqhgd", weights, v)
-    return y.reshape(batch, length, n_heads * head_dim)
-
-
 def _attention(params: dict[str, jax.Array], prefix: str, x: jax.Array, cos: jax.Array, sin: jax.Array,
                config: QwenConfigLike) -> jax.Array:
     batch, length, _ = x.shape
@@ -102,7 +88,7 @@ def _attention(params: dict[str, jax.Array], prefix: str, x: jax.Array, cos: jax
     q = _rms_norm(q, params[f"{prefix}.q_norm.weight"], config.norm_eps)  # per head, shared across heads
     k = _rms_norm(k, params[f"{prefix}.k_norm.weight"], config.norm_eps)
     q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
-    return _linear(_causal_attention(q, k, v), params[f"{prefix}.o_proj.weight"])
+    return _linear(attention.causal_attention(q, k, v), params[f"{prefix}.o_proj.weight"])
 
 
 def _expert(params: dict[str, jax.Array], prefix: str, x: jax.Array) -> jax.Array:

@@ -221,3 +221,25 @@ def test_hugging_face_decoder_reference_with_the_splash_kernel_matches_transform
     _assert_close(loss, expected_loss, f"{name} loss")
     for key, parameter in model.named_parameters():
         _assert_close(grads[key], parameter.grad, f"{name} gradient of {key}")
+
+
+def test_the_example_references_kernel_attention_matches_their_math_form(monkeypatch):
+    """``jax_reference/attention.py``: the splash kernel (Pallas' interpreter) against the math form, grouped
+    query heads of 64 over 128 positions: outputs and the gradients of query, key and value."""
+    from bench.jax_reference import attention, hf_decoder
+
+    monkeypatch.setattr(hf_decoder, "INTERPRET", True)
+    keys = jax.random.split(jax.random.key(0), 4)
+    q = jax.random.normal(keys[0], (2, 128, 4, 64))
+    k, v = (jax.random.normal(key, (2, 128, 2, 64)) for key in keys[1:3])
+    weights = jax.random.normal(keys[3], (2, 128, 4 * 64))
+
+    def run(kernel: bool):
+        monkeypatch.setattr(attention, "KERNEL", kernel)
+        return jax.value_and_grad(lambda *qkv: (attention.causal_attention(*qkv) * weights).sum(),
+                                  argnums=(0, 1, 2))(q, k, v)
+
+    (got, got_grads), (want, want_grads) = run(True), run(False)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4)
+    for name, a, b in zip("qkv", got_grads, want_grads, strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4, err_msg=name)
