@@ -335,26 +335,34 @@ def main() -> None:
               for d in args.dtypes.split(",")]
     wanted += [tuple(b.split(":")) for b in args.breakdown if tuple(b.split(":")) not in wanted]
     rows = []
+    clock = CLOCK_HZ.get(device.device_kind)
     for name, mode, dtype in wanted:
         print(f"{name} {mode} {dtype} ...", file=sys.stderr, flush=True)
         rows.append(measure(name, mode, dtype, args.target, device, extra))
+        # each row as it is measured: a long run cut short still leaves what it measured
+        print(report(rows[-1:], peak_flops, clock).splitlines()[-1], file=sys.stderr, flush=True)
+        if args.json:
+            _write_json(args.json, args.target, rows)
     print(f"## {args.target} ({device.device_kind}), jax {jax.__version__}, torch {torch.__version__}"
           + (f", options {extra}" if extra else "") + "\n")
-    print(report(rows, peak_flops, CLOCK_HZ.get(device.device_kind)))
+    print(report(rows, peak_flops, clock))
     for spec in args.breakdown:
         row = next(r for r in rows if (r.workload, r.mode, r.dtype) == tuple(spec.split(":")))
         print()
         print(breakdown(row, args.top))
-    if args.json:
-        with open(args.json, "w") as stream:
-            json.dump({"target": args.target, "rows": [
-                {"workload": r.workload, "mode": r.mode, "dtype": r.dtype, "seconds": round(r.seconds, 1),
-                 "error": r.error,
-                 "ours": [{k: v for k, v in dataclasses.asdict(p).items() if k != "hlo"} for p in r.ours],
-                 "reference": {k: v for k, v in dataclasses.asdict(r.reference).items() if k != "hlo"},
-                 "saved_activation_bytes": r.saved_activation_bytes, "saved_weight_bytes": r.saved_weight_bytes}
-                for r in rows]}, stream, indent=1, default=lambda v: None if isinstance(v, float) and math.isnan(v)
-                else v)
+
+
+def _write_json(path: str, target: str, rows: list[Row]) -> None:
+    """The rows measured so far, rewritten whole after each row."""
+    with open(path, "w") as stream:
+        json.dump({"target": target, "rows": [
+            {"workload": r.workload, "mode": r.mode, "dtype": r.dtype, "seconds": round(r.seconds, 1),
+             "error": r.error,
+             "ours": [{k: v for k, v in dataclasses.asdict(p).items() if k != "hlo"} for p in r.ours],
+             "reference": {k: v for k, v in dataclasses.asdict(r.reference).items() if k != "hlo"},
+             "saved_activation_bytes": r.saved_activation_bytes, "saved_weight_bytes": r.saved_weight_bytes}
+            for r in rows]}, stream, indent=1, default=lambda v: None if isinstance(v, float) and math.isnan(v)
+            else v)
 
 
 if __name__ == "__main__":
