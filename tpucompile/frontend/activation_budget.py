@@ -31,6 +31,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from tpucompile.config import Options
 from tpucompile.input_uses import BUDGET_KEY, PARAMETERS
+from tpucompile.sharding.annotate import input_index
 from tpucompile.targets import GENERATIONS
 from tpucompile.targets import parse as parse_target
 
@@ -132,7 +133,7 @@ def step_peak(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule, inp
     ways (the batch's split)."""
 
     def size(node: torch.fx.Node) -> int:
-        index = _primal_index(node)
+        index = input_index(node.name) if node.op == "placeholder" else None
         divisor = input_divisors[index] if index is not None and index < len(input_divisors) else activation_divisor
         return _bytes(node.meta.get("val")) // max(divisor, 1)
 
@@ -233,13 +234,6 @@ def _hint(size: int | torch.SymInt) -> int:
         hint = size.node.hint
         return int(hint) if hint is not None else 1
     return int(size)
-
-
-def _primal_index(node: torch.fx.Node) -> int | None:
-    if node.op != "placeholder" or not node.name.startswith("primals_"):
-        return None
-    suffix = node.name.removeprefix("primals_")
-    return int(suffix) - 1 if suffix.isdigit() else None
 
 
 def _input_divisors(config: Options) -> tuple[int, ...]:
