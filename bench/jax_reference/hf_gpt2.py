@@ -5,20 +5,13 @@ embedding; attention is the splash kernel with a causal mask and the padding as 
 
 ``params`` is keyed like the torch model's ``dict(model.named_parameters())`` (the tied head appears once, as
 ``transformer.wte.weight``). Inputs are ``(tokens, attention_mask)`` and, for the loss, ``targets``.
-LayerNorm works in float32 and rounds once.
+LayerNorm is the example GPT reference's (float32, rounded once).
 """
 
 import jax
-import jax.numpy as jnp
 
 from . import hf_decoder
-
-
-def _layer_norm(x: jax.Array, weight: jax.Array, bias: jax.Array, eps: float) -> jax.Array:
-    x32 = x.astype(jnp.float32)
-    mean = x32.mean(-1, keepdims=True)
-    normed = (x32 - mean) * jax.lax.rsqrt(jnp.square(x32 - mean).mean(-1, keepdims=True) + eps)
-    return (normed * weight.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
+from .mingpt import _layer_norm
 
 
 def _conv1d(x: jax.Array, params: dict[str, jax.Array], name: str) -> jax.Array:
