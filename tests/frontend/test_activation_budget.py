@@ -21,10 +21,10 @@ from tpucompile.input_uses import BUDGET_KEY
 class _Block(torch.nn.Module):
     """A pre-LN MLP block: enough products and elementwise ops for the partition to have a choice."""
 
-    def __init__(self) -> None:
+    def __init__(self, width: int = 64, hidden: int = 256) -> None:
         super().__init__()
-        self.norm = torch.nn.LayerNorm(64)
-        self.up, self.down = torch.nn.Linear(64, 256), torch.nn.Linear(256, 64)
+        self.norm = torch.nn.LayerNorm(width)
+        self.up, self.down = torch.nn.Linear(width, hidden), torch.nn.Linear(hidden, width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
@@ -108,22 +108,12 @@ def test_auto_takes_the_smallest_estimate_and_says_so_when_none_fits(monkeypatch
     assert choice["fits"] is False and choice["budget"] < 1.0 and choice["estimated_peak"] <= least, choice
 
 
-class _WideBlock(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.norm = torch.nn.LayerNorm(2048)
-        self.up, self.down = torch.nn.Linear(2048, 8192), torch.nn.Linear(8192, 2048)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
-
-
 def _compile_for_v5e(budget: float | str) -> list:
     """Compile events of a bf16 training step of 8 wide MLP blocks on 49152 tokens for one v5e chip (15.75 GiB),
     built on the meta device: its activations at budget 1 need more than the chip holds."""
     torch._dynamo.reset()
     with torch.device("meta"):
-        model = torch.nn.Sequential(*[_WideBlock() for _ in range(8)]).to(torch.bfloat16)
+        model = torch.nn.Sequential(*[_Block(2048, 8192) for _ in range(8)]).to(torch.bfloat16)
         x = torch.randn(49152, 2048, dtype=torch.bfloat16)
     events: list = []
     remove = driver.add_observer(events.append)
