@@ -296,8 +296,9 @@ def _activation_budget(value: Any) -> float | str:
             number = float(value)
         except ValueError:
             number = None
-    if isinstance(number, bool) or not isinstance(number, (int, float)) or not 0.0 <= number <= 1.0:
-        what = "not a number" if number is None else "out of range"
+    is_number = isinstance(number, (int, float)) and not isinstance(number, bool)
+    if not is_number or not 0.0 <= number <= 1.0:
+        what = "out of range" if is_number else "not a number"
         raise OptionsError(f"tpucompile option 'activation_memory_budget' must be \"auto\" or a number between 0 "
                            f"and 1, got {value!r} ({what})")
     return float(number)
