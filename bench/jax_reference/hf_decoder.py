@@ -41,18 +41,22 @@ def _head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def _rope_tables(config, length: int, dtype) -> tuple[jax.Array, jax.Array]:
+def _rope_tables(config, length: int, dtype, theta: float | None = None) -> tuple[jax.Array, jax.Array]:
+    """The cosines and sines of transformers' default rotary embedding, at base ``theta`` (the config's
+    ``rope_theta`` unless given: Gemma 3 has one base per layer type)."""
     head_dim = _head_dim(config)
-    frequencies = config.rope_parameters["rope_theta"] ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+    theta = config.rope_parameters["rope_theta"] if theta is None else theta
+    frequencies = theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
     angles = jnp.outer(jnp.arange(length, dtype=jnp.float32), frequencies)
     angles = jnp.concatenate([angles, angles], axis=-1)
     return jnp.cos(angles).astype(dtype), jnp.sin(angles).astype(dtype)
 
 
-def _splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Array, window: int | None) -> jax.Array:
+def _splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Array, window: int | None,
+                      scale: float | None = None) -> jax.Array:
     """Causal grouped-query attention by the splash kernel, over the last ``window`` keys if given; ``q``
     (batch, heads, length, head_dim), ``k``/``v`` (batch, kv_heads, length, head_dim), ``valid`` (batch,
-    length) the padding mask."""
+    length) the padding mask; the scores are scaled by ``scale`` (1 / sqrt(head_dim) unless given)."""
     batch, heads, length, head_dim = q.shape
     kv_heads = k.shape[1]
     block = next(b for b in BLOCKS if length % b == 0)
@@ -64,7 +68,8 @@ def _splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Array
         one = splash.CausalMask((length, length))
     mask = splash.MultiHeadMask([one] * (heads // kv_heads))
     kernel = splash.make_splash_mqa_single_device(mask, block_sizes=sizes, interpret=INTERPRET)
-    grouped = (q / math.sqrt(head_dim)).astype(q.dtype).reshape(batch, kv_heads, heads // kv_heads, length,
+    scale = 1 / math.sqrt(head_dim) if scale is None else scale
+    grouped = (q * scale).astype(q.dtype).reshape(batch, kv_heads, heads // kv_heads, length,
                                                                 head_dim)
     segments = splash.SegmentIds(q=jnp.ones_like(valid, jnp.int32), kv=valid.astype(jnp.int32))
 

@@ -181,6 +181,9 @@ HUGGING_FACE = {
     "llama": ("hf_decoder", "LlamaConfig", "LlamaForCausalLM", _LLAMA_SIZE),
     "mistral": ("hf_decoder", "MistralConfig", "MistralForCausalLM", {**_LLAMA_SIZE, "sliding_window": 40}),
     "qwen3": ("hf_decoder", "Qwen3Config", "Qwen3ForCausalLM", {**_LLAMA_SIZE, "head_dim": 32}),
+    "gemma3": ("hf_gemma3", "Gemma3TextConfig", "Gemma3ForCausalLM", {
+        **_LLAMA_SIZE, "head_dim": 64, "query_pre_attn_scalar": 48, "sliding_window": 40,
+        "layer_types": ["sliding_attention", "full_attention"]}),
     "gpt2": ("hf_gpt2", "GPT2Config", "GPT2LMHeadModel", dict(
         vocab_size=128, n_embd=128, n_layer=2, n_head=2, n_positions=256, resid_pdrop=0.0, embd_pdrop=0.0,
         attn_pdrop=0.0)),
@@ -189,9 +192,10 @@ HUGGING_FACE = {
 
 @pytest.mark.parametrize("name", list(HUGGING_FACE))
 def test_hugging_face_decoder_reference_with_the_splash_kernel_matches_transformers(name, monkeypatch):
-    """``bench/jax_reference/hf_decoder.py`` and ``hf_gpt2.py`` (the splash kernel run by Pallas' interpreter)
-    against transformers' model eagerly, at a small config with grouped-query heads (GPT-2: heads of 64) and
-    padding: the logits, the loss and every parameter's gradient (Mistral's window shorter than the sequence)."""
+    """``bench/jax_reference/hf_decoder.py``, ``hf_gemma3.py`` and ``hf_gpt2.py`` (the splash kernel run by Pallas'
+    interpreter) against transformers' model eagerly, at a small config with grouped-query heads (GPT-2: heads of
+    64) and padding: the logits, the loss and every parameter's gradient (Mistral's and Gemma 3's windows shorter
+    than the sequence; Gemma 3's query scale other than its head size's)."""
     import importlib
 
     import transformers
