@@ -47,12 +47,7 @@ from jax_reference import attention as reference_attention
 from tpucompile import driver
 from tpucompile.runtime.targets.compile_only import compile_only_target
 from tpucompile.runtime.targets.cross_compile import TargetExecutable
-
-PEAK_BF16_FLOPS = {"TPU v5 lite": 197e12, "TPU v6 lite": 918e12, "TPU v5": 459e12}
-"""Peak bfloat16 matrix throughput of one chip, by device kind (the vendor's published figures)."""
-CLOCK_HZ = {"TPU v5 lite": 1.5e9}
-"""Core clock, to turn the compiler's cycle estimates into seconds where its ``optimal_seconds`` is negative:
-v5e's peak is 4 MXUs of 128 x 128 multiply-adds per cycle, 197e12 / (4 * 128 * 128 * 2) = 1.5 GHz."""
+from tpucompile.targets import GENERATIONS
 
 _PRINT = _hlo.HloPrintOptions()
 _PRINT.print_operand_shape = True  # what the breakdown reads operand sizes from
@@ -330,12 +325,13 @@ def main() -> None:
     reference_attention.KERNEL = args.reference_attention == "kernel"
 
     device = compile_only_target(args.target).devices[0]
-    peak_flops = PEAK_BF16_FLOPS.get(device.device_kind)
+    generation = next((g for g in GENERATIONS.values() if g.device_kind == device.device_kind), None)
+    # peak rate and clock of the chip (tpucompile's own table): MFU, and cycles as seconds where XLA gives none
+    peak_flops, clock = (generation.peak_bf16_flops, generation.clock_hz) if generation else (None, None)
     wanted = [(w, m, d) for w in args.workloads.split(",") for m in args.modes.split(",")
               for d in args.dtypes.split(",")]
     wanted += [tuple(b.split(":")) for b in args.breakdown if tuple(b.split(":")) not in wanted]
     rows = []
-    clock = CLOCK_HZ.get(device.device_kind)
     for name, mode, dtype in wanted:
         print(f"{name} {mode} {dtype} ...", file=sys.stderr, flush=True)
         rows.append(measure(name, mode, dtype, args.target, device, extra))

@@ -192,6 +192,19 @@ def hf_qwen3() -> TpuWorkload:
     return _hugging_face("hf_qwen3", "Qwen3ForCausalLM", transformers.Qwen3Config(**_HF_SIZE, head_dim=128))
 
 
+_GEMMA3_HEADS = dict(num_attention_heads=8, num_key_value_heads=4, head_dim=256)
+"""Gemma 3's heads of 256 (as its 4B model: 8 query and 4 key-value heads), five sliding-window layers to one
+full one."""
+
+
+def hf_gemma3() -> TpuWorkload:
+    """Hugging Face's ``Gemma3ForCausalLM``: heads of 256, a window of 512 keys on five layers of six."""
+    import transformers
+
+    config = transformers.Gemma3TextConfig(**{**_HF_SIZE, **_GEMMA3_HEADS}, sliding_window=512)
+    return _hugging_face("hf_gemma3", "Gemma3ForCausalLM", config, reference="hf_gemma3")
+
+
 def hf_gpt2() -> TpuWorkload:
     """Hugging Face's ``GPT2LMHeadModel`` at the same width and depth, 16 heads of 64, dropout off."""
     import transformers
@@ -218,6 +231,9 @@ def _hf_1b(name: str) -> Callable[[], TpuWorkload]:
             config = transformers.GPT2Config(**{**_GPT2_SIZE, "n_embd": 2048, "n_layer": 16, "n_head": 32,
                                                 "n_positions": 2048})
             return _hugging_face("hf_gpt2_1b", "GPT2LMHeadModel", config, 2048, "hf_gpt2")
+        if name == "hf_gemma3":
+            config = transformers.Gemma3TextConfig(**{**_HF_1B, **_GEMMA3_HEADS}, sliding_window=512)
+            return _hugging_face("hf_gemma3_1b", "Gemma3ForCausalLM", config, 2048, "hf_gemma3")
         config_class, model_class, extra = {
             "hf_llama": ("LlamaConfig", "LlamaForCausalLM", {}),
             "hf_mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 1024}),
@@ -231,7 +247,7 @@ def _hf_1b(name: str) -> Callable[[], TpuWorkload]:
 
 _BUILDERS: dict[str, Callable[[], TpuWorkload]] = {
     "gpt": gpt, "llama": llama, "qwen": qwen, "resnet": resnet, "unet": unet, "dlrm": dlrm, "hf_llama": hf_llama,
-    "hf_mistral": hf_mistral, "hf_qwen3": hf_qwen3, "hf_gpt2": hf_gpt2,
-    **{f"{name}_1b": _hf_1b(name) for name in ("hf_llama", "hf_mistral", "hf_qwen3", "hf_gpt2")},
+    "hf_mistral": hf_mistral, "hf_qwen3": hf_qwen3, "hf_gemma3": hf_gemma3, "hf_gpt2": hf_gpt2,
+    **{f"{name}_1b": _hf_1b(name) for name in ("hf_llama", "hf_mistral", "hf_qwen3", "hf_gemma3", "hf_gpt2")},
 }
 NAMES = tuple(_BUILDERS)
