@@ -96,8 +96,8 @@ class Options:
     the backward recomputes more (matrix products too) to hold less between the two programs. 1 saves the
     least memory traffic; on a TPU target 0.5 roughly halves the saved bytes of a GPT block for about 10% more
     flops and bytes (``docs/benchmarks.md``). "auto": 1 unless the step's estimated peak exceeds the HBM of a
-    chip of the targets, then the largest budget whose estimate fits (``frontend/activation_budget.py``); the
-    step report says what was chosen."""
+    chip of the targets, then, with the values passed between repeated blocks saved, the largest budget whose
+    estimate fits (``frontend/activation_budget.py``); the step report says what was chosen."""
 
     host_kernels: str = "auto"
     """Which matrix products and f32 convolutions of CPU programs call the host BLAS kernels instead of XLA's

@@ -183,7 +183,10 @@ def _budget_line(graph: str, choice: dict[str, Any]) -> str:
     if not choice["fits"]:
         return (f"{head}, chosen: {over}, and no budget fits: {_gib(estimate)} at best; lower the batch per chip, "
                 "or spread the model over more chips")
-    return f"{head}, chosen: {over}; at {budget:.3g} it is {_gib(estimate)} (the backward recomputes the rest)"
+    kept = (f"; the {choice['saved_boundaries']} values passed between repeated blocks are saved, so it recomputes "
+            "within one block at a time" if choice.get("saved_boundaries") else "")
+    return (f"{head}, chosen: {over}; at {budget:.3g} it is {_gib(estimate)} (the backward recomputes the rest"
+            f"{kept})")
 
 
 def _gib(count: float | None) -> str:
