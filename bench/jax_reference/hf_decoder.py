@@ -10,6 +10,7 @@ in float32 rounded to the parameters' dtype; RMSNorm works in float32 and rounds
 """
 
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -111,14 +112,22 @@ def _logits(params: dict[str, jax.Array], tokens: jax.Array, valid: jax.Array, c
     return _linear(x, params["lm_head.weight"])
 
 
-def forward(params: dict[str, jax.Array], inputs: tuple, config) -> jax.Array:
-    tokens, valid = inputs
-    return _logits(params, tokens, valid, config)
+def entry_points(logits: Callable[..., jax.Array]) -> tuple[Callable[..., jax.Array], Callable[..., jax.Array]]:
+    """A reference's ``forward(params, (tokens, attention_mask), config)`` and ``loss(params, (tokens,
+    attention_mask, targets), config)`` around its ``logits(params, tokens, attention_mask, config)``."""
+
+    def forward(params: dict[str, jax.Array], inputs: tuple, config) -> jax.Array:
+        tokens, valid = inputs
+        return logits(params, tokens, valid, config)
+
+    def loss(params: dict[str, jax.Array], inputs: tuple, config) -> jax.Array:
+        tokens, valid, targets = inputs
+        return cross_entropy(logits(params, tokens, valid, config), targets)
+
+    return forward, loss
 
 
-def loss(params: dict[str, jax.Array], inputs: tuple, config) -> jax.Array:
-    tokens, valid, targets = inputs
-    return cross_entropy(_logits(params, tokens, valid, config), targets)
+forward, loss = entry_points(_logits)
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:

@@ -38,11 +38,4 @@ def _logits(params: dict[str, jax.Array], tokens: jax.Array, valid: jax.Array, c
     return x @ params["transformer.wte.weight"].T
 
 
-def forward(params: dict[str, jax.Array], inputs: tuple, config) -> jax.Array:
-    tokens, valid = inputs
-    return _logits(params, tokens, valid, config)
-
-
-def loss(params: dict[str, jax.Array], inputs: tuple, config) -> jax.Array:
-    tokens, valid, targets = inputs
-    return hf_decoder.cross_entropy(_logits(params, tokens, valid, config), targets)
+forward, loss = hf_decoder.entry_points(_logits)

@@ -13,15 +13,7 @@ from tpucompile import warm_start
 from tpucompile.frontend import activation_budget
 from tpucompile.frontend.block_boundaries import block_of, mark_block_boundaries
 
-
-class _Block(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.norm = torch.nn.LayerNorm(32)
-        self.up, self.down = torch.nn.Linear(32, 128), torch.nn.Linear(128, 32)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+from .test_activation_budget import _Block
 
 
 class _Net(torch.nn.Module):
@@ -31,7 +23,7 @@ class _Net(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.embed = torch.nn.Embedding(64, 32)
-        self.blocks = torch.nn.ModuleList(_Block() for _ in range(3))
+        self.blocks = torch.nn.ModuleList(_Block(32, 128) for _ in range(3))
         self.head = torch.nn.Linear(32, 64)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -96,7 +88,7 @@ def test_the_values_between_blocks_are_marked_to_be_saved(monkeypatch):
 
 
 def test_a_graph_without_two_blocks_is_left_unmarked(monkeypatch):
-    joint = _joint_graph(monkeypatch, _Block(), torch.randn(8, 32))
+    joint = _joint_graph(monkeypatch, _Block(32, 128), torch.randn(8, 32))
     assert mark_block_boundaries(joint, 1) == 0
     assert not any("recompute" in n.meta for n in joint.graph.nodes)
 
