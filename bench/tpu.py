@@ -15,12 +15,12 @@ jax's splash kernel, as tpucompile's is on a TPU (``--reference-attention math``
 Per row: flops, bytes and estimated time summed over tpucompile's programs (forward + backward in training),
 peak memory as the largest program's, the bytes the forward saves for the backward (activations; weights it
 passes on are counted apart), and the ratios to the reference. MFU is the reference's flops over the estimated
-time at the chip's peak bf16 rate (the compiler's ``optimal_seconds``, or where it is negative, as it is for most
-of these programs, its summed per-instruction cycle estimates at the chip's clock: an estimate without
-overlap, comparable between the two sides). Pallas kernel calls get no estimate from XLA (neither cycles nor
-flops): the last column counts them per side, their time is in neither side's estimate, and where the counts
-differ the cycle ratio is not given. ``--breakdown`` lists, for one row, each program's top-level instructions
-by the bytes they move, with the op and source line that made them (``hlo_bytes.py``).
+time at the chip's peak bf16 rate (the compiler's ``optimal_seconds`` where both sides have one, else, as for
+most of these programs, where one is negative, both sides' summed per-instruction cycle estimates at the chip's
+clock: an estimate without overlap, comparable between the two sides). Pallas kernel calls get no estimate from
+XLA (neither cycles nor flops): the last column counts them per side, their time is in neither side's estimate,
+and where the counts differ the cycle ratio is not given. ``--breakdown`` lists, for one row, each program's
+top-level instructions by the bytes they move, with the op and source line that made them (``hlo_bytes.py``).
 """
 
 from __future__ import annotations
@@ -264,8 +264,11 @@ def report(rows: list[Row], peak_flops: float | None, clock: float | None) -> st
             continue
         t, r = row.totals(), row.reference
         ref_seconds = r.optimal_seconds if r.optimal_seconds and r.optimal_seconds > 0 else None
-        ours_time = t["seconds"] or (t["cycles"] / clock if clock else None)
-        ref_time = ref_seconds or (r.cycles / clock if clock else None)
+        # one source of time for both sides: XLA's estimate where both have one, else the cycles at the clock
+        if t["seconds"] and ref_seconds:
+            ours_time, ref_time = t["seconds"], ref_seconds
+        else:
+            ours_time, ref_time = (t["cycles"] / clock, r.cycles / clock) if clock else (None, None)
         saved = (f"{_mib(row.saved_activation_bytes)} + {_mib(row.saved_weight_bytes)}"
                  if row.mode == "training" else "")
         seconds = "n/a" if t["seconds"] is None else f"{t['seconds'] * 1e3:.2f}"
