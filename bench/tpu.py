@@ -47,7 +47,7 @@ from jax_reference import attention as reference_attention
 from tpucompile import driver
 from tpucompile.runtime.targets.compile_only import compile_only_target
 from tpucompile.runtime.targets.cross_compile import TargetExecutable
-from tpucompile.targets import GENERATIONS
+from tpucompile.targets import generation_of
 
 _PRINT = _hlo.HloPrintOptions()
 _PRINT.print_operand_shape = True  # what the breakdown reads operand sizes from
@@ -328,7 +328,7 @@ def main() -> None:
     reference_attention.KERNEL = args.reference_attention == "kernel"
 
     device = compile_only_target(args.target).devices[0]
-    generation = next((g for g in GENERATIONS.values() if g.device_kind == device.device_kind), None)
+    generation = generation_of(device.device_kind)
     # peak rate and clock of the chip (tpucompile's own table): MFU, and cycles as seconds where XLA gives none
     peak_flops, clock = (generation.peak_bf16_flops, generation.clock_hz) if generation else (None, None)
     wanted = [(w, m, d) for w in args.workloads.split(",") for m in args.modes.split(",")

@@ -51,6 +51,13 @@ GENERATIONS = {
 chip). libtpu describes older and newer ones too, but with a device per core, which a real host of theirs
 need not show, so entries built for them could never be hit."""
 
+
+
+def generation_of(device_kind: Any) -> Generation | None:
+    """The generation whose devices report ``device_kind`` (``"TPU v5 lite"``), or None for one not listed."""
+    return next((g for g in GENERATIONS.values() if g.device_kind == device_kind), None)
+
+
 VALID_FORMS = ("tpu:v5e:AxB, tpu:v6e:AxB or tpu:v5p:AxBxC (chips along each axis, e.g. tpu:v5e:2x2, "
                "tpu:v5e:4x4, tpu:v6e:2x4, tpu:v5p:2x2x1), or a platform of this machine: cpu, cuda, tpu")
 
@@ -133,7 +140,7 @@ def label(components: Mapping[str, Any]) -> str:
     if platform != "tpu":
         return platform
     kind, topology = components.get("device_kind"), components.get("topology")
-    generation = next((g for g in GENERATIONS.values() if g.device_kind == kind), None)
+    generation = generation_of(kind)
     if generation is None or not isinstance(topology, str) or not re.match(r"^\d+x\d+x\d+$", topology):
         return f"tpu ({kind}{', ' + topology if isinstance(topology, str) else ''})"
     sizes = topology.split("x")

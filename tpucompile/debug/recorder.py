@@ -22,7 +22,7 @@ from tpucompile.debug.reader import read_dump
 from tpucompile.debug.report import format_summary
 from tpucompile.debug.stablehlo_text import asm
 from tpucompile.input_uses import BUDGET_KEY
-from tpucompile.targets import GENERATIONS, slug
+from tpucompile.targets import generation_of, slug
 
 if TYPE_CHECKING:
     import torch.fx
@@ -382,4 +382,5 @@ def _uses(gm: torch.fx.GraphModule | None) -> dict[str, int] | None:
 
 
 def _hbm_bytes(device_kind: Any) -> int | None:
-    return next((g.hbm_bytes for g in GENERATIONS.values() if g.device_kind == device_kind), None)
+    generation = generation_of(device_kind)
+    return generation.hbm_bytes if generation else None

@@ -79,8 +79,8 @@ def compile_targets(names: tuple[str, ...], platform: str | None = None) -> tupl
 
 def hbm_bytes(target: Target) -> int | None:
     """HBM per chip of ``target``'s devices (None for a device tpucompile knows no figure for)."""
-    kind = target.device.device_kind
-    return next((g.hbm_bytes for g in targets.GENERATIONS.values() if g.device_kind == kind), None)
+    generation = targets.generation_of(target.device.device_kind)
+    return generation.hbm_bytes if generation else None
 
 
 def _first_line(error: BaseException) -> str:
