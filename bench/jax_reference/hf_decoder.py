@@ -70,8 +70,7 @@ def _splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Array
     mask = splash.MultiHeadMask([one] * (heads // kv_heads))
     kernel = splash.make_splash_mqa_single_device(mask, block_sizes=sizes, interpret=INTERPRET)
     scale = 1 / math.sqrt(head_dim) if scale is None else scale
-    grouped = (q * scale).astype(q.dtype).reshape(batch, kv_heads, heads // kv_heads, length,
-                                                                head_dim)
+    grouped = (q * scale).astype(q.dtype).reshape(batch, kv_heads, heads // kv_heads, length, head_dim)
     segments = splash.SegmentIds(q=jnp.ones_like(valid, jnp.int32), kv=valid.astype(jnp.int32))
 
     def one_head(q, k, v, segment_ids):

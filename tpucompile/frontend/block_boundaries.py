@@ -48,10 +48,9 @@ def mark_block_boundaries(joint: torch.fx.GraphModule, forward_outputs: int) -> 
     if len({block for block in blocks.values() if block is not None}) < 2:
         return 0
     marked = 0
-    for node in joint.graph.nodes:
-        if node not in forward or node.op != "call_function" or node.meta.get("recompute") is not None:
+    for node, own in blocks.items():
+        if node.op != "call_function" or node.meta.get("recompute") is not None:
             continue  # a policy already set (torch.utils.checkpoint's) is the user's
-        own = blocks[node]
         if any(user in blocks and blocks[user] != own and (own or blocks[user]) for user in node.users):
             node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
             marked += 1
@@ -61,8 +60,8 @@ def mark_block_boundaries(joint: torch.fx.GraphModule, forward_outputs: int) -> 
 def _forward_nodes(graph: torch.fx.Graph, forward_outputs: int) -> set[torch.fx.Node]:
     """Nodes of the joint graph the forward's outputs (the first ``forward_outputs`` of the graph's) depend on:
     the forward program; the rest is the backward's, whether or not it reads the gradients."""
-    (outputs,) = [node for node in graph.nodes if node.op == "output"]
-    pending = [value for value in outputs.args[0][:forward_outputs] if isinstance(value, torch.fx.Node)]
+    outputs = graph.output_node().args[0][:forward_outputs]
+    pending = [value for value in outputs if isinstance(value, torch.fx.Node)]
     forward: set[torch.fx.Node] = set()
     while pending:
         node = pending.pop()
