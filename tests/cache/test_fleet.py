@@ -245,18 +245,20 @@ def test_garbage_leases_never_block_for_long(tmp_path, redis_server):
 @pytest.mark.parametrize("remote", ["redis", "fsspec"])
 def test_holder_renews_and_releases(tmp_path, request, remote):
     url = request.getfixturevalue("redis_server")[1] if remote == "redis" else f"file://{tmp_path}"
-    claims = FleetClaims(GuardedRemote(url, timeout=1), lease_seconds=0.3)
+    # A lease of 1.5 s is renewed every 0.5 s: a renewal must stall a whole second to lapse, which a loaded
+    # two-core machine running tests in parallel did reach with 0.3 s leases.
+    claims = FleetClaims(GuardedRemote(url, timeout=1), lease_seconds=1.5)
     other = Holder("other", "h", 2)
     with claims.claim(KEY, published=lambda: False) as held:
         assert held
-        time.sleep(1.0)  # three leases long: renewed meanwhile
-        assert claims.remote.take_lease(KEY, other, 0.3)["token"] != "other"
-    assert claims.remote.take_lease(KEY, other, 0.3)["token"] == "other", "released at once"
+        time.sleep(3.5)  # more than two leases long: renewed meanwhile
+        assert claims.remote.take_lease(KEY, other, 1.5)["token"] != "other"
+    assert claims.remote.take_lease(KEY, other, 1.5)["token"] == "other", "released at once"
 
 
 def test_waiting_is_bounded(tmp_path, redis_server):
     server, url = redis_server
-    holder = FleetClaims(GuardedRemote(url, timeout=1), lease_seconds=0.3)
+    holder = FleetClaims(GuardedRemote(url, timeout=1), lease_seconds=1.5)  # held throughout, even under load
     waiter = FleetClaims(GuardedRemote(url, timeout=1), lease_seconds=0.3, max_wait=0.5)
     with holder.claim(KEY, published=lambda: False):
         start = time.monotonic()
