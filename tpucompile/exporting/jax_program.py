@@ -12,11 +12,10 @@ reverse: there a jax function is spliced into our module; here our module is spl
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
-import numpy as np
 from jax.extend.core import Primitive
 from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import func
@@ -98,15 +97,3 @@ def exported_program(
 
         run.__name__ = name
         return jax.export.export(jax.jit(run), platforms=tuple(platforms))(*input_avals)
-
-
-def call_with_x64(exported: jax.export.Exported) -> Callable[..., list[Any]]:
-    """``exported.call``, with jax's 64-bit types enabled around it when any argument or result is 64-bit
-    (jax would otherwise narrow 64-bit arguments before checking them against the program's types)."""
-    wide = any(np.dtype(a.dtype).itemsize == 8 for a in (*exported.in_avals, *exported.out_avals))
-
-    def call(*args: Any) -> list[Any]:
-        with jax.enable_x64(wide):
-            return exported.call(*args)
-
-    return call

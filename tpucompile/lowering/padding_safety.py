@@ -60,11 +60,6 @@ def _dynamic_dims(value: Any, runtime: frozenset[sympy.Symbol]) -> set[int]:
     return {dim for dim, _ in dynamic_sizes.symbolic_dims(value, runtime)} if isinstance(value, torch.Tensor) else set()
 
 
-def _normalised(dims: Any, rank: int) -> set[int]:
-    dims = [dims] if isinstance(dims, int) else list(dims or range(rank))
-    return {d % rank if rank else 0 for d in dims}
-
-
 def _normalised_dims_static(node: torch.fx.Node, runtime: frozenset[sympy.Symbol]) -> str | None:
     """layer norm and its backward: exact when the normalised (trailing) dimensions are not runtime-sized."""
     x = node.args[1 if node.target is aten.native_layer_norm_backward.default else 0].meta["val"]

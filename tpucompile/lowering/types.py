@@ -105,13 +105,3 @@ def spec_of(value: ir.Value) -> TensorSpec:
     """Shape and torch dtype of an MLIR tensor value."""
     ranked = ir.RankedTensorType(value.type)
     return TensorSpec(tuple(ranked.shape), torch_dtype_of(ranked.element_type))
-
-
-def is_floating(dtype: torch.dtype) -> bool:
-    return dtype.is_floating_point
-
-
-def is_integral(dtype: torch.dtype, include_bool: bool = False) -> bool:
-    return (not dtype.is_floating_point and not dtype.is_complex and dtype is not torch.bool) or (
-        include_bool and dtype is torch.bool
-    )
