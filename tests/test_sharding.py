@@ -376,6 +376,7 @@ def gpt_runs(tmp_path_factory):
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # its fixture is the sharding worker's minutes-long run
 def test_one_device_run_matches_eager(gpt_runs):
     single = gpt_runs["single"]["vs_eager"]
     assert single["logits"] < 1e-5 and single["losses"] < 1e-5 and single["params"] < 1e-4, single
