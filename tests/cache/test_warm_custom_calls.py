@@ -97,7 +97,9 @@ def test_an_entry_calling_an_unregistered_target_is_a_logged_miss(tmp_path, monk
     """A sound entry whose program calls something this process lacks is not served: it is recompiled (and
     the reason logged), never run."""
     monkeypatch.setenv("TPUCOMPILE_CACHE_DIR", str(tmp_path))
-    a = torch.randn(4, 4) + 2 * torch.eye(4)
+    # Diagonally dominant, so well conditioned: an unseeded near-singular draw made the inverse differ from
+    # LAPACK's by float32 rounding times its condition number, which this cache test is not about.
+    a = 0.1 * torch.randn(4, 4) + torch.eye(4)
     compile_and_run(torch.linalg.inv, a)
     store = LocalStore(tmp_path)
     for key in store.list_keys():
