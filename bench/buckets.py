@@ -38,8 +38,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples")
 
 from llama import Llama, LlamaConfig
 
-from tpucompile import compile_stats as stats
 from tpucompile.artifacts import stores
+from tpucompile.metrics import compile_stats as stats
 
 BACKENDS = {
     "tpucompile-exact": dict(backend="tpucompile", options={"dynamic_mode": "exact", "cache_mode": "off"}),

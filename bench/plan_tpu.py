@@ -29,6 +29,7 @@ from llama import Llama, LlamaConfig
 
 import tpucompile
 from tpucompile import driver
+from tpucompile.contracts.target_names import GENERATIONS
 from tpucompile.debug.step_report import format_step_report, step_report
 from tpucompile.debug.uses import graph_uses
 from tpucompile.runtime.host_memory import limit_heap_arenas
@@ -134,7 +135,7 @@ def main() -> None:
     model_flops = 6 * parameters * args.batch * args.length
     step = report["estimated_step_seconds"]
     chips = mesh.size
-    mfu_6nd = model_flops / (step * chips * tpucompile.targets.GENERATIONS[args.target.split(":")[1]].peak_bf16_flops
+    mfu_6nd = model_flops / (step * chips * GENERATIONS[args.target.split(":")[1]].peak_bf16_flops
                              ) if step else None
     print(f"{args.model} ({parameters / 1e9:.2f} B parameters, {shape['n_layers']} layers), {args.batch} x "
           f"{args.length} tokens, {args.shard} on {mesh!r}, {args.target}")

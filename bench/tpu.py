@@ -45,9 +45,9 @@ import tpu_workloads
 from jax_reference import attention as reference_attention
 
 from tpucompile import driver
+from tpucompile.contracts.target_names import generation_of
 from tpucompile.runtime.targets.compile_only import compile_only_target
 from tpucompile.runtime.targets.cross_compile import TargetExecutable
-from tpucompile.targets import generation_of
 
 _PRINT = _hlo.HloPrintOptions()
 _PRINT.print_operand_shape = True  # what the breakdown reads operand sizes from

@@ -14,10 +14,10 @@ import torch
 
 import tpucompile
 from tests.support import assert_close_tree
-from tpucompile import compile_stats as stats
 from tpucompile import driver
 from tpucompile.config import Options
 from tpucompile.errors import OptionsError, TpuCompileWarning
+from tpucompile.metrics import compile_stats as stats
 from tpucompile.runtime.buckets import bucket_size
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))

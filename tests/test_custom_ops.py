@@ -298,7 +298,7 @@ def test_the_program_key_holds_the_digest_of_the_lowering_s_source(registrations
 
 
 def test_register_lowering_refuses_what_it_cannot_lower():
-    import tpucompile.attention_ops  # defines tpucompile::attention
+    import tpucompile.contracts.attention_ops  # defines tpucompile::attention
 
     with pytest.raises(ValueError, match=r"aten::add\.Tensor is not a custom op"):
         tpucompile.register_lowering(torch.ops.aten.add.Tensor, _jax_sine)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tpucompile import driver
-from tpucompile.donation_marks import DONATABLE, SAVED, UPDATED, donated_kinds
+from tpucompile.contracts.donation_marks import DONATABLE, SAVED, UPDATED, donated_kinds
 from tpucompile.lowering import lower_graph
 from tpucompile.runtime.executable import GraphExecutable
 

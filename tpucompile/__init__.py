@@ -11,7 +11,6 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from tpucompile import compile_stats, memory_accounting
 from tpucompile.config import Options
 from tpucompile.errors import (
     CacheMissError,
@@ -23,6 +22,7 @@ from tpucompile.errors import (
     TpuCompileWarning,
     UnsupportedOpError,
 )
+from tpucompile.metrics import compile_stats, memory_accounting
 from tpucompile.sharding.plan import Mesh, ShardPlan, data_parallel, fully_sharded, tensor_parallel
 
 _LOWERING_API = ("register_lowering", "remove_lowering")

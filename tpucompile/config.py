@@ -12,9 +12,9 @@ import os
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from tpucompile.contracts.target_names import parse as parse_target
 from tpucompile.errors import OptionsError
 from tpucompile.sharding.plan import Mesh, ShardPlan, mesh_option, shard_option
-from tpucompile.targets import parse as parse_target
 
 ENV_PREFIX = "TPUCOMPILE_"
 

@@ -18,16 +18,19 @@ from typing import Any
 import torch
 import torch.fx
 
-from tpucompile import artifacts, diagnostics, memory_accounting, targets
-from tpucompile import compile_stats as stats
+from tpucompile import artifacts, diagnostics
 from tpucompile.cache import MemoryStore
 from tpucompile.config import Options
+from tpucompile.contracts import target_names
+from tpucompile.contracts.size_expressions import runtime_symbols
 from tpucompile.errors import CompileError, LoweringError, TpuCompileError, TpuCompileWarning, UnsupportedOpError
 from tpucompile.frontend.custom_ops import custom_op_overloads
 from tpucompile.lowering import LoweredProgram, ShapeBindings, custom_ops, is_symbolic, jax_bridge, padding_safety
 from tpucompile.lowering.graph import has_data_dependent_size, unsupported_reason
 from tpucompile.lowering.registry import lookup_rule
 from tpucompile.lowering.sharding import program_shardings
+from tpucompile.metrics import compile_stats as stats
+from tpucompile.metrics import memory_accounting
 from tpucompile.passes import isolate_node, partition_supported, run_passes, saved_value_mismatch
 from tpucompile.runtime import (
     GraphExecutable,
@@ -41,7 +44,6 @@ from tpucompile.runtime import (
 from tpucompile.runtime.buckets import BucketedGraph
 from tpucompile.runtime.host_memory import release_free_memory
 from tpucompile.runtime.input_views import input_views
-from tpucompile.runtime.size_expressions import runtime_symbols
 from tpucompile.runtime.targets.compile_only import compile_targets, spanning
 from tpucompile.sharding.annotate import record_layouts
 from tpucompile.sharding.plan import Dims
@@ -394,7 +396,7 @@ def attention_kernel_wanted(options: Options) -> bool:
 def lowering_platforms(options: Options) -> frozenset[str]:
     """The platforms a compile with ``options`` lowers its graphs for: its compile-only targets' and, unless
     the compile is only for them, this process's own."""
-    platforms = {targets.parse(name).platform for name in options.targets}
+    platforms = {target_names.parse(name).platform for name in options.targets}
     if not options.compile_only:
         platforms.add(get_target(options.platform).platform)
     return frozenset(platforms)

@@ -25,9 +25,10 @@ from typing import Any
 import torch
 
 from tests.cache.workload import check_model
-from tpucompile import artifacts, compile_stats, driver
+from tpucompile import artifacts, driver
 from tpucompile.artifacts import executables
 from tpucompile.config import Options
+from tpucompile.metrics import compile_stats
 
 
 def _wait_at_gate(signals: pathlib.Path, gate: str, timeout: float = 180) -> None:

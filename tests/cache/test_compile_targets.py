@@ -18,9 +18,10 @@ import pytest
 import torch
 
 from tests.cache.cache_helpers import compile_and_run
-from tpucompile import cli, targets
+from tpucompile import cli
 from tpucompile.cache import PersistentCache
 from tpucompile.config import Options
+from tpucompile.contracts import target_names
 from tpucompile.errors import OptionsError
 from tpucompile.runtime import build_flags
 from tpucompile.runtime.targets import libtpu
@@ -36,11 +37,11 @@ TILED = re.compile(r"\{[0-9,]+:T\(\d+(,\d+)?\)")
 
 
 def test_target_names_parse_and_bad_ones_list_the_valid_forms():
-    assert str(targets.parse("TPU:v5e:2x2")) == TARGET and targets.parse(TARGET).topology == "2x2x1"
-    assert targets.parse("tpu:v5p:2x2x1").chips == 4 and targets.parse("cpu").compile_only is False
+    assert str(target_names.parse("TPU:v5e:2x2")) == TARGET and target_names.parse(TARGET).topology == "2x2x1"
+    assert target_names.parse("tpu:v5p:2x2x1").chips == 4 and target_names.parse("cpu").compile_only is False
     for bad in ("tpu:v9:2x2", "tpu:v5e:2x2x1", "tpu:v5p:2x2", "gpu", "tpu:v5e:2y2", "cpu:v5e:2x2"):
         with pytest.raises(OptionsError, match="valid targets are tpu:v5e:AxB, tpu:v6e:AxB or tpu:v5p:AxBxC"):
-            targets.parse(bad)
+            target_names.parse(bad)
 
 
 def test_targets_option_and_environment_variable():
@@ -53,12 +54,12 @@ def test_targets_option_and_environment_variable():
 
 
 def test_labels_name_the_target_from_key_components():
-    assert targets.label({"platform": "tpu", "device_kind": "TPU v5 lite", "topology": "2x2x1"}) == TARGET
-    assert targets.label({"platform": "tpu", "device_kind": "TPU v5", "topology": "2x2x1"}) == "tpu:v5p:2x2x1"
-    assert targets.label({"platform": "cpu", "topology": "1 device"}) == "cpu"
-    assert targets.label({"kind": "plan"}) == "-"
-    assert targets.describe_topology([(0, 0, 0), (1, 0, 0), (0, 1, 0), (1, 1, 0)], 1, 4) == "2x2x1"
-    assert targets.describe_topology([], 1, 8) == "8 devices"
+    assert target_names.label({"platform": "tpu", "device_kind": "TPU v5 lite", "topology": "2x2x1"}) == TARGET
+    assert target_names.label({"platform": "tpu", "device_kind": "TPU v5", "topology": "2x2x1"}) == "tpu:v5p:2x2x1"
+    assert target_names.label({"platform": "cpu", "topology": "1 device"}) == "cpu"
+    assert target_names.label({"kind": "plan"}) == "-"
+    assert target_names.describe_topology([(0, 0, 0), (1, 0, 0), (0, 1, 0), (1, 1, 0)], 1, 4) == "2x2x1"
+    assert target_names.describe_topology([], 1, 8) == "8 devices"
 
 
 def test_tpu_keys_ignore_cpu_flags_and_the_launch_barrier_jax_sets_on_tpu_vms():

@@ -12,10 +12,10 @@ import torch
 
 from tpucompile import driver
 from tpucompile.config import Options
+from tpucompile.contracts.input_uses import BUDGET_KEY
 from tpucompile.debug.step_report import format_step_report, step_report
 from tpucompile.errors import OptionsError
 from tpucompile.frontend import activation_budget
-from tpucompile.input_uses import BUDGET_KEY
 
 
 class _Block(torch.nn.Module):

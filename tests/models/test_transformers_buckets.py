@@ -14,8 +14,8 @@ import transformers
 
 import tpucompile
 from tests.support import assert_close_tree
-from tpucompile import compile_stats
 from tpucompile.errors import TpuCompileWarning
+from tpucompile.metrics import compile_stats
 
 BUCKETED = {"dynamic_mode": "bucket"}
 

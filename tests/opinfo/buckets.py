@@ -28,8 +28,8 @@ from typing import Any
 import torch
 
 from tests.opinfo import sweep
-from tpucompile import compile_stats as stats
 from tpucompile.errors import TpuCompileWarning
+from tpucompile.metrics import compile_stats as stats
 
 OUTCOMES = ("bucketed", "per-size", "static", "mismatch", "unsupported", "crash", "dynamo", "random")
 

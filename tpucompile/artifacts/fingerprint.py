@@ -16,7 +16,7 @@ from torch.fx.node import _get_qualified_name
 
 from tpucompile import diagnostics
 from tpucompile.cache import canonical_json, digest
-from tpucompile.donation_marks import DONATABLE
+from tpucompile.contracts.donation_marks import DONATABLE
 from tpucompile.errors import UnsupportedOpError
 from tpucompile.lowering import ShapeBindings
 

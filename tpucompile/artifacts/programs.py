@@ -24,7 +24,7 @@ from tpucompile.artifacts.environment import environment
 from tpucompile.artifacts.fingerprint import Uncacheable, encode_graph
 from tpucompile.cache import Entry, cache_key, digest, program_key_components
 from tpucompile.config import Options
-from tpucompile.donation_marks import SAVED_ON_DEVICE, donated_kinds
+from tpucompile.contracts.donation_marks import SAVED_ON_DEVICE, donated_kinds
 from tpucompile.lowering import LoweredProgram, ShapeBindings, TensorSpec, custom_ops, jax_bridge, lower_graph
 from tpucompile.lowering.context import mlir_context
 from tpucompile.runtime import OutputSlot, Target

@@ -8,8 +8,8 @@ import atexit
 import logging
 import sqlite3
 
-from tpucompile import compile_stats
 from tpucompile.artifacts import stores
+from tpucompile.metrics import compile_stats
 
 log = logging.getLogger("tpucompile")
 

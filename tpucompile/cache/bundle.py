@@ -29,7 +29,7 @@ from typing import Any
 from tpucompile.cache.entry import CorruptEntryError, decode
 from tpucompile.cache.keys import canonical_json, digest, environment_mismatches, is_key
 from tpucompile.cache.tiered import PersistentCache
-from tpucompile.targets import label as target_label
+from tpucompile.contracts.target_names import label as target_label
 
 FORMAT = "tpucompile-cache-bundle"
 VERSION = 1

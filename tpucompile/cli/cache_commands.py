@@ -15,7 +15,7 @@ from tpucompile.cache.entry import CorruptEntryError, decode, read_components
 from tpucompile.cache.keys import is_key
 from tpucompile.cli.common import emit, options, target_names
 from tpucompile.config import Options, parse_size
-from tpucompile.targets import label as target_label
+from tpucompile.contracts.target_names import label as target_label
 
 
 def ls(args: argparse.Namespace) -> int:

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from tpucompile.config import Options
-from tpucompile.targets import parse as parse_target
+from tpucompile.contracts.target_names import parse as parse_target
 
 
 class Failure(Exception):

@@ -12,8 +12,8 @@ from typing import Any
 from tpucompile.cli.common import emit, progress_lines
 from tpucompile.cli.script import run_script, script_settings
 from tpucompile.config import effective_environ
+from tpucompile.contracts.input_uses import BUDGET_KEY
 from tpucompile.debug.step_report import format_step_report, step_report
-from tpucompile.input_uses import BUDGET_KEY
 
 
 def warm(args: argparse.Namespace) -> int:

@@ -8,8 +8,8 @@ import os
 import pathlib
 from typing import Any
 
+from tpucompile.contracts.target_names import slug
 from tpucompile.debug.layout import GRAPH_FOLDER, STAGES
-from tpucompile.targets import slug
 
 
 def read_dump(root: str | os.PathLike[str]) -> list[dict[str, Any]]:

@@ -17,12 +17,12 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from tpucompile.cache import digest
+from tpucompile.contracts.input_uses import BUDGET_KEY
+from tpucompile.contracts.target_names import generation_of, slug
 from tpucompile.debug.layout import ENV_VAR, GRAPH_FOLDER, STAGES
 from tpucompile.debug.reader import read_dump
 from tpucompile.debug.report import format_summary
 from tpucompile.debug.stablehlo_text import asm
-from tpucompile.input_uses import BUDGET_KEY
-from tpucompile.targets import generation_of, slug
 
 if TYPE_CHECKING:
     import torch.fx

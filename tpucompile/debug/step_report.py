@@ -14,9 +14,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from tpucompile.input_uses import ACTIVATIONS, GRADIENTS, INPUTS, OPTIMIZER_STATE, PARAMETERS, RETURNED_GRADIENTS
-from tpucompile.targets import GENERATIONS
-from tpucompile.targets import parse as parse_target
+from tpucompile.contracts.input_uses import (
+    ACTIVATIONS,
+    GRADIENTS,
+    INPUTS,
+    OPTIMIZER_STATE,
+    PARAMETERS,
+    RETURNED_GRADIENTS,
+)
+from tpucompile.contracts.target_names import GENERATIONS
+from tpucompile.contracts.target_names import parse as parse_target
 
 
 def step_report(graphs: Sequence[dict[str, Any]], target: str) -> dict[str, Any]:

@@ -9,7 +9,7 @@ import math
 import torch
 import torch.fx
 
-from tpucompile.input_uses import ACTIVATIONS, INPUTS, KINDS_KEY, RETURNED_GRADIENTS, USES
+from tpucompile.contracts.input_uses import ACTIVATIONS, INPUTS, KINDS_KEY, RETURNED_GRADIENTS, USES
 from tpucompile.sharding.annotate import input_index
 from tpucompile.sharding.plan import decode_sharding, shard_annotation
 

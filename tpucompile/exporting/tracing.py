@@ -27,11 +27,11 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
 from tpucompile import diagnostics
+from tpucompile.contracts.size_expressions import runtime_symbols
 from tpucompile.errors import UnsupportedOpError
 from tpucompile.frontend import decomposition_table
 from tpucompile.lowering.graph import has_data_dependent_size, unsupported_reason
 from tpucompile.lowering.registry import is_random
-from tpucompile.runtime.size_expressions import runtime_symbols
 
 _WEIGHT_KINDS = (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR)
 

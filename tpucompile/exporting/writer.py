@@ -25,13 +25,13 @@ import torch
 
 import tpucompile
 from tpucompile import serving
+from tpucompile.contracts.calling_convention import SEED_POSITION
 from tpucompile.errors import UnsupportedOpError
 from tpucompile.exporting.jax_program import exported_program
 from tpucompile.exporting.tracing import ExportGraph, dimension, trace
 from tpucompile.lowering import ShapeBindings, jax_bridge, padding_safety
 from tpucompile.lowering.graph import LoweredProgram, lower_graph
 from tpucompile.lowering.types import NUMPY_DTYPES, TensorSpec
-from tpucompile.runtime.calling_convention import SEED_POSITION
 
 
 def export(

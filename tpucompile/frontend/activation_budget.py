@@ -32,11 +32,11 @@ import torch.fx
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from tpucompile.config import Options
+from tpucompile.contracts.input_uses import BUDGET_KEY, PARAMETERS
+from tpucompile.contracts.target_names import GENERATIONS
+from tpucompile.contracts.target_names import parse as parse_target
 from tpucompile.frontend.block_boundaries import mark_block_boundaries
-from tpucompile.input_uses import BUDGET_KEY, PARAMETERS
 from tpucompile.sharding.annotate import input_index
-from tpucompile.targets import GENERATIONS
-from tpucompile.targets import parse as parse_target
 
 FIT_FRACTION = 0.85
 """The share of a chip's HBM a lowered budget's estimate may fill: the rest covers the estimate's error and the

@@ -28,7 +28,7 @@ import torch.fx
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from tpucompile import attention_ops
+from tpucompile.contracts import attention_ops
 from tpucompile.frontend.attention_masks import MaskPlan, prove_mask
 from tpucompile.frontend.decompositions import attention_scale, scaled_dot_product_attention
 from tpucompile.passes.dead_code import drop_unread

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from tpucompile.donation_marks import DONATABLE, SAVED, SAVED_ON_DEVICE
+from tpucompile.contracts.donation_marks import DONATABLE, SAVED, SAVED_ON_DEVICE
 
 
 def mark_donatable(gm: torch.fx.GraphModule, role: str, saved_on_device: bool = False) -> int:

@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 
-from tpucompile import attention_ops
-from tpucompile.attention_ops import expand_heads, fold_heads, probabilities
+from tpucompile.contracts import attention_ops
+from tpucompile.contracts.attention_ops import expand_heads, fold_heads, probabilities
 
 aten = torch.ops.aten
 

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from tpucompile.input_uses import GRADIENTS, INPUTS, KINDS_KEY, OPTIMIZER_STATE, PARAMETERS
+from tpucompile.contracts.input_uses import GRADIENTS, INPUTS, KINDS_KEY, OPTIMIZER_STATE, PARAMETERS
 from tpucompile.sharding.names import lifted_attributes
 
 __all__ = ["KINDS_KEY", "input_kinds"]

@@ -32,8 +32,8 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
+from tpucompile.contracts.resize_scale import source_scale
 from tpucompile.frontend.transforms import runs_functorch_transform
-from tpucompile.resize_scale import source_scale
 
 _MODES = {"nearest": 2, "linear": 1, "bilinear": 2, "trilinear": 3}
 """The modes handled, with the number of resampled dims each requires. Nearest is taken in 2-D only: in 1-D

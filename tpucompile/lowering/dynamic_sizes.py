@@ -21,9 +21,9 @@ import torch
 from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import stablehlo as hlo
 
+from tpucompile.contracts.size_expressions import SIZE_DTYPE, UnboundedSize, check_bounded, evaluate, symbolic_dims
 from tpucompile.lowering.builder import constant, dtype_of, shape_of
 from tpucompile.lowering.types import TensorSpec, tensor_type
-from tpucompile.runtime.size_expressions import SIZE_DTYPE, UnboundedSize, check_bounded, evaluate, symbolic_dims
 
 __all__ = ["SIZE_DTYPE", "SizeValues", "UnboundedSize", "check_bounded", "computable", "evaluate", "fixed_shape",
            "mark_dynamic", "split_dimension", "static_result", "symbolic_dims", "within_actual", "zero_padding"]

@@ -26,7 +26,8 @@ from jax.extend.mlir.dialects import func
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from tpucompile import diagnostics
-from tpucompile.donation_marks import DONATABLE, SAVED, UPDATED, kind_of
+from tpucompile.contracts.calling_convention import SEED_POSITION, OutputSlot
+from tpucompile.contracts.donation_marks import DONATABLE, SAVED, UPDATED, kind_of
 from tpucompile.errors import LoweringError, TpuCompileError, UnsupportedOpError
 from tpucompile.lowering import builder, custom_ops, dynamic_sizes, jax_bridge, padding_safety, sharding, unmerged
 from tpucompile.lowering.context import mlir_context
@@ -34,7 +35,6 @@ from tpucompile.lowering.registry import LoweringContext, is_random, lookup_rule
 from tpucompile.lowering.rng import SEED_SHAPE, RandomStream
 from tpucompile.lowering.shapes import ShapeBindings
 from tpucompile.lowering.types import SUPPORTED_DTYPES, TensorSpec, spec_of, spec_type
-from tpucompile.runtime.calling_convention import SEED_POSITION, OutputSlot
 
 
 @dataclasses.dataclass

@@ -10,7 +10,7 @@ the libraries a cached program calls.
 
 import jax  # noqa: F401  (first: jax quiets jaxlib's C++ INFO logs before jaxlib loads)
 
-from tpucompile.runtime.calling_convention import SEED_POSITION, OutputSlot
+from tpucompile.contracts.calling_convention import SEED_POSITION, OutputSlot
 from tpucompile.runtime.compiler import compile_module, optimized_hlo, unoptimized_hlo
 from tpucompile.runtime.executable import GraphExecutable
 from tpucompile.runtime.shape_only import ShapeOnlyExecutable

@@ -20,10 +20,7 @@ from typing import Any
 import sympy
 import torch
 
-from tpucompile import compile_stats as stats
-from tpucompile.errors import UnsupportedOpError
-from tpucompile.runtime.input_views import input_views, replace_views
-from tpucompile.runtime.size_expressions import (
+from tpucompile.contracts.size_expressions import (
     SIZE_DTYPE,
     evaluate,
     read_symbols,
@@ -32,6 +29,9 @@ from tpucompile.runtime.size_expressions import (
     symbol_sources,
     symbolic_dims,
 )
+from tpucompile.errors import UnsupportedOpError
+from tpucompile.metrics import compile_stats as stats
+from tpucompile.runtime.input_views import input_views, replace_views
 from tpucompile.runtime.specialize import call_signature, keep_bounded
 
 log = logging.getLogger("tpucompile")

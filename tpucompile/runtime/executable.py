@@ -26,8 +26,7 @@ from typing import Any
 
 import torch
 
-from tpucompile import memory_accounting
-from tpucompile.runtime.calling_convention import (
+from tpucompile.contracts.calling_convention import (
     INPUT,
     RESULT,
     SEED_POSITION,
@@ -36,6 +35,7 @@ from tpucompile.runtime.calling_convention import (
     call_plan,
     draw_seed,
 )
+from tpucompile.metrics import memory_accounting
 from tpucompile.runtime.resident import resident_buffers, shares_host_memory
 from tpucompile.runtime.transfer import copy_buffer, shares_tensor_memory, to_buffer, to_tensor
 

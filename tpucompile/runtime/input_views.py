@@ -17,7 +17,7 @@ from typing import Any
 import sympy
 import torch
 
-from tpucompile.runtime.size_expressions import UnboundedSize, evaluate
+from tpucompile.contracts.size_expressions import UnboundedSize, evaluate
 
 
 @dataclasses.dataclass(frozen=True)

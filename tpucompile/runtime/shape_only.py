@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from tpucompile.runtime.calling_convention import CONSTANT, INPUT, RESULT, TRIMMED, OutputSlot, call_plan
+from tpucompile.contracts.calling_convention import CONSTANT, INPUT, RESULT, TRIMMED, OutputSlot, call_plan
 
 
 class ShapeOnlyExecutable:

@@ -28,8 +28,7 @@ import torch
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxlib import xla_client
 
-from tpucompile.errors import ShardingError
-from tpucompile.runtime.calling_convention import (
+from tpucompile.contracts.calling_convention import (
     CONSTANT,
     INPUT,
     RESULT,
@@ -38,6 +37,7 @@ from tpucompile.runtime.calling_convention import (
     call_plan,
     draw_seed,
 )
+from tpucompile.errors import ShardingError
 from tpucompile.runtime.transfer import to_buffer, to_tensor
 
 Dims = tuple[tuple[str, ...], ...]

@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from tpucompile import compile_stats as stats
+from tpucompile.contracts.size_expressions import read_symbols, runtime_symbols, symbol_sources
+from tpucompile.metrics import compile_stats as stats
 from tpucompile.runtime.input_views import InputView, replace_views
-from tpucompile.runtime.size_expressions import read_symbols, runtime_symbols, symbol_sources
 
 log = logging.getLogger("tpucompile")
 

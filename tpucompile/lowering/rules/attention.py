@@ -27,7 +27,7 @@ import inspect
 
 import torch
 
-from tpucompile import attention_ops  # noqa: F401  (registers the ops)
+from tpucompile.contracts import attention_ops  # noqa: F401  (registers the ops)
 from tpucompile.lowering import jax_bridge
 from tpucompile.lowering.registry import register_lowering
 

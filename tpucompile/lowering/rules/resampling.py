@@ -21,9 +21,9 @@ import torch
 from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import stablehlo as hlo
 
+from tpucompile.contracts.resize_scale import source_scale
 from tpucompile.lowering import builder
 from tpucompile.lowering.registry import register_lowering
-from tpucompile.resize_scale import source_scale
 
 aten = torch.ops.aten
 Value = ir.Value

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from tpucompile import targets
+from tpucompile.contracts import target_names
 from tpucompile.errors import OptionsError
 from tpucompile.runtime.targets import libtpu
 from tpucompile.runtime.targets.local import Target, get_target
@@ -22,14 +22,14 @@ from tpucompile.runtime.targets.local import Target, get_target
 def compile_only_target(name: str) -> Target:
     """The compile-only target ``name`` names (``tpu:v5e:2x2``); ``OptionsError`` saying what to install or
     which names are valid when it cannot be had."""
-    parsed = targets.parse(name)
+    parsed = target_names.parse(name)
     if not parsed.compile_only:
-        raise OptionsError(f"{name!r} names no topology; compile-only targets look like {targets.VALID_FORMS}")
+        raise OptionsError(f"{name!r} names no topology; compile-only targets look like {target_names.VALID_FORMS}")
     libtpu.check_installed(str(parsed))
     libtpu.allow_shared_load()
     from jax.experimental import topologies
 
-    generation = targets.GENERATIONS[parsed.generation]
+    generation = target_names.GENERATIONS[parsed.generation]
     extra = {}
     if parsed.chips <= generation.host_chips:  # one host holds the whole slice, as on a real one
         extra["chips_per_host_bounds"] = parsed.bounds
@@ -38,7 +38,7 @@ def compile_only_target(name: str) -> Target:
             devices = topologies.get_topology_desc(f"{parsed.generation}:{parsed.topology}", "tpu", **extra).devices
     except Exception as error:
         raise OptionsError(f"libtpu has no topology {str(parsed)!r} ({_first_line(error)}); valid targets are "
-                           f"{targets.VALID_FORMS}") from None
+                           f"{target_names.VALID_FORMS}") from None
     devices = sorted(devices, key=lambda d: d.id)
     return Target(client=devices[0].client, devices=(devices[0],), name=str(parsed), compile_only=True)
 
@@ -60,7 +60,7 @@ def compile_targets(names: tuple[str, ...], platform: str | None = None) -> tupl
     run = get_target(platform)
     chosen: dict[str, Target] = {}
     for name in names:
-        parsed = targets.parse(name)
+        parsed = target_names.parse(name)
         if parsed.compile_only:
             target = compile_only_target(str(parsed))
         elif parsed.platform == run.platform:
@@ -71,7 +71,7 @@ def compile_targets(names: tuple[str, ...], platform: str | None = None) -> tupl
             except OptionsError as error:
                 raise OptionsError(f"target {parsed.platform!r} is a platform of this machine, and this machine has "
                                    f"none ({error}); only TPU slices compile without their devices: "
-                                   f"{targets.VALID_FORMS}") from None
+                                   f"{target_names.VALID_FORMS}") from None
             target = dataclasses.replace(local, name=parsed.platform, compile_only=True)
         chosen.setdefault(str(target.name), target)
     return tuple(chosen.values())
@@ -79,7 +79,7 @@ def compile_targets(names: tuple[str, ...], platform: str | None = None) -> tupl
 
 def hbm_bytes(target: Target) -> int | None:
     """HBM per chip of ``target``'s devices (None for a device tpucompile knows no figure for)."""
-    generation = targets.generation_of(target.device.device_kind)
+    generation = target_names.generation_of(target.device.device_kind)
     return generation.hbm_bytes if generation else None
 
 

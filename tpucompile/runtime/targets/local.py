@@ -12,11 +12,11 @@ import jax.extend.backend as jax_backend
 import jaxlib
 from jaxlib import xla_client
 
+from tpucompile.contracts.target_names import describe_topology
 from tpucompile.errors import OptionsError, ShardingError
 from tpucompile.runtime.host_kernels.library import HostBlas
 from tpucompile.runtime.host_kernels.library import kernels as host_kernels
 from tpucompile.runtime.targets import libtpu
-from tpucompile.targets import describe_topology
 
 
 @dataclasses.dataclass(frozen=True)
