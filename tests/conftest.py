@@ -66,9 +66,9 @@ def aten_ops(monkeypatch) -> set:
     """The ATen ops of every graph handed to the tpucompile backend during the test, so a test can check
     that the op it is about really reached the lowering (and was not decomposed away before it). Warm starts
     from cached plans are turned off for the test: they skip AOTAutograd, so no ATen graph would be seen."""
-    from tpucompile import backend, warm_start
+    from tpucompile import backend, plan_replay
 
-    monkeypatch.setattr(warm_start, "compiled_from_plan", lambda *args, **kwargs: None)
+    monkeypatch.setattr(plan_replay, "compiled_from_plan", lambda *args, **kwargs: None)
 
     seen: set = set()
     original = backend.compile_graph

@@ -1,6 +1,6 @@
 """The pipeline's layering, checked on the source: imports flow one way, top to bottom.
 
-    backend, cli → exporting → debug → warm_start → driver → artifacts → frontend → passes → sharding → lowering
+    backend, cli → exporting → debug → plan_replay → driver → artifacts → frontend → passes → sharding → lowering
     → cache → runtime → serving
 
 A unit (a top-level module or package of ``tpucompile``) may import itself, the units below it, and the leaves
@@ -20,7 +20,7 @@ import pytest
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "tpucompile"
 ORDER = [
-    "__main__", "backend", "cli", "exporting", "debug", "warm_start", "driver", "artifacts", "frontend", "passes",
+    "__main__", "backend", "cli", "exporting", "debug", "plan_replay", "driver", "artifacts", "frontend", "passes",
     "sharding", "lowering", "cache", "runtime", "serving",
 ]
 LEAF_UNITS = {"contracts", "metrics"}

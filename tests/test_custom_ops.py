@@ -333,10 +333,10 @@ def _plan_components() -> dict:
     """The key components of a cached plan of a Dynamo graph calling ``shifted_sine``."""
     import torch._functorch.config  # read by the plan key
 
-    from tpucompile import warm_start
+    from tpucompile import plan_replay
 
     gm = torch.fx.symbolic_trace(lambda x: torch.ops.tpucompile_custom_test.shifted_sine(x, 0.5))
-    return warm_start.plan_components(gm, [torch.randn(3)], Options.from_sources(None))
+    return plan_replay.plan_components(gm, [torch.randn(3)], Options.from_sources(None))
 
 
 def test_a_cached_plan_s_key_holds_the_lowering_s_source(registrations):

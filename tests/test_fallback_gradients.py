@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 
 from tests.support import assert_close_tree
-from tpucompile import driver, warm_start
+from tpucompile import driver, plan_replay
 from tpucompile.lowering import graph as lowered_graph
 
 
@@ -88,7 +88,7 @@ def _training_ops(name: str, monkeypatch) -> list:
 
 @pytest.mark.parametrize("name", list(MODELS))
 def test_gradients_are_eagers_whichever_op_falls_back(name, monkeypatch):
-    monkeypatch.setattr(warm_start, "compiled_from_plan", lambda *args, **kwargs: None)
+    monkeypatch.setattr(plan_replay, "compiled_from_plan", lambda *args, **kwargs: None)
     ops = _training_ops(name, monkeypatch)
     assert len(ops) == OPS_PER_MODEL, ops
     build, inputs, kwargs = MODELS[name]

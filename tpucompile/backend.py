@@ -4,7 +4,7 @@ Dynamo hands us an FX graph of torch-level ops. AOTAutograd functionalises it an
 table, turns it into ATen graphs: one for inference, or a forward and a backward for training. Each ATen graph
 is compiled by ``driver.compile_graph``. Input mutations (BatchNorm running stats, in-place updates of
 buffers) are returned by the functional graph and written back by AOTAutograd's runtime wrapper. On a warm
-start, a graph whose plan is cached skips AOTAutograd altogether (``warm_start``); on a cold one, such a graph
+start, a graph whose plan is cached skips AOTAutograd altogether (``plan_replay``); on a cold one, such a graph
 runs through AOTAutograd's wrapper only until its plan is complete, then through the plan's runner.
 """
 
@@ -20,7 +20,7 @@ import torch
 import torch.fx
 from torch._dynamo.backends.common import aot_autograd
 
-from tpucompile import warm_start
+from tpucompile import plan_replay
 from tpucompile.config import Options
 from tpucompile.debug import recorder as dump
 from tpucompile.driver import attention_kernel_wanted, compile_graph, custom_ops_lowered_whole, record_graph
@@ -59,12 +59,12 @@ def tpucompile_backend(
 
     recorder = None
     with _aot_autograd_settings(config):  # the plan is keyed on the settings AOTAutograd will trace with
-        components = None if config.compile_only else warm_start.plan_components(gm, example_inputs, config)
+        components = None if config.compile_only else plan_replay.plan_components(gm, example_inputs, config)
     if components is not None and not dump.active():
-        compiled = warm_start.compiled_from_plan(components, config, f"graph {index}")
+        compiled = plan_replay.compiled_from_plan(components, config, f"graph {index}")
         if compiled is not None:
             return compiled
-        recorder = warm_start.PlanRecorder(components, config, len(example_inputs))
+        recorder = plan_replay.PlanRecorder(components, config, len(example_inputs))
 
     kinds = input_kinds(gm, example_inputs)
 

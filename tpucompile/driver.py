@@ -24,11 +24,11 @@ from tpucompile.config import Options
 from tpucompile.contracts import target_names
 from tpucompile.contracts.size_expressions import runtime_symbols
 from tpucompile.errors import CompileError, LoweringError, TpuCompileError, TpuCompileWarning, UnsupportedOpError
-from tpucompile.frontend.custom_ops import custom_op_overloads
+from tpucompile.frontend.traced_implementations import custom_op_overloads
 from tpucompile.lowering import LoweredProgram, ShapeBindings, custom_ops, is_symbolic, jax_bridge, padding_safety
 from tpucompile.lowering.graph import has_data_dependent_size, unsupported_reason
 from tpucompile.lowering.registry import lookup_rule
-from tpucompile.lowering.sharding import program_shardings
+from tpucompile.lowering.shardy_attributes import program_shardings
 from tpucompile.metrics import compile_stats as stats
 from tpucompile.metrics import memory_accounting
 from tpucompile.passes import isolate_node, partition_supported, run_passes, saved_value_mismatch

@@ -9,7 +9,7 @@ import torch
 import torch.fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from tpucompile import warm_start
+from tpucompile import plan_replay
 from tpucompile.frontend import activation_budget
 from tpucompile.frontend.block_boundaries import block_of, mark_block_boundaries
 
@@ -60,7 +60,7 @@ def _joint_graph(monkeypatch, model: torch.nn.Module, x: torch.Tensor) -> torch.
     partition = activation_budget.min_cut_rematerialization_partition
     monkeypatch.setattr(activation_budget, "min_cut_rematerialization_partition",
                         lambda joint, inputs, **kwargs: seen.append(joint) or partition(joint, inputs, **kwargs))
-    monkeypatch.setattr(warm_start, "compiled_from_plan", lambda *args, **kwargs: None)
+    monkeypatch.setattr(plan_replay, "compiled_from_plan", lambda *args, **kwargs: None)
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="tpucompile", options={"cache_mode": "off"})
     compiled(x).sum().backward()

@@ -8,7 +8,7 @@ Three layers, each memory → local directory → remote (``tpucompile.cache``):
   locations, its signature, the compile options, the host-kernel choices and the environment; portable across
   hosts and checkouts (nothing in it is a path, a pid, a time or a hash seed). ``other_targets`` stores
   executables for compile-only targets under the key a host of that target computes.
-* **plan** (``plans``): what AOTAutograd made of a Dynamo graph (``tpucompile.warm_start``), as JSON.
+* **plan** (``plans``): what AOTAutograd made of a Dynamo graph (``tpucompile.plan_replay``), as JSON.
 
 Every key carries ``environment``: the machine and software, including one digest of the package's own
 source (``package_digest``), so a change to any code that decides what is compiled changes every key.

@@ -1,4 +1,4 @@
-"""The plan layer: what AOTAutograd made of a Dynamo graph (``tpucompile.warm_start``), stored as JSON."""
+"""The plan layer: what AOTAutograd made of a Dynamo graph (``tpucompile.plan_replay``), stored as JSON."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from tpucompile.config import Options
 
 
 def load_plan(components: Mapping[str, Any], options: Options) -> tuple[dict[str, Any], str] | None:
-    """(plan, tier) stored under ``components``' key (see ``tpucompile.warm_start``), or None."""
+    """(plan, tier) stored under ``components``' key (see ``tpucompile.plan_replay``), or None."""
     key = cache_key(components)
     plan = stores.plans.get(key, **stores.held_by(options))
     if plan is not None:

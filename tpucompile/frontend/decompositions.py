@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch._decomp import core_aten_decompositions, get_decompositions
 
-from tpucompile.frontend import custom_ops
+from tpucompile.frontend import traced_implementations
 from tpucompile.frontend.fractional_pooling import fractional_pooling_decompositions
 from tpucompile.frontend.fused_attention import fused_attention_decompositions
 from tpucompile.frontend.fused_layers import fused_layer_decompositions
@@ -205,11 +205,11 @@ def decomposition_table(lowered_custom_ops: frozenset[str] = frozenset(), attent
     """The table handed to AOTAutograd (treat it as read-only). ``prims.fma`` exists only once Dynamo has
     imported Inductor's prims (as it does when it first traces an ``addcmul_`` with a value), so the table
     is built anew, once, when it appears. Custom ops (``torch.library.custom_op``) not named in
-    ``lowered_custom_ops`` are traced through their implementations (``custom_ops``); the table is built
+    ``lowered_custom_ops`` are traced through their implementations (``traced_implementations``); the table is built
     anew when those ops or their implementations change. With ``attention_kernel``, PyTorch's fused attention
     kernels go to the TPU kernel op where it takes them (``fused_attention``)."""
     fma = getattr(torch.ops.prims, "fma", None)
-    return _table(fma.default if fma is not None else None, custom_ops.traced_ops(lowered_custom_ops),
+    return _table(fma.default if fma is not None else None, traced_implementations.traced_ops(lowered_custom_ops),
                   attention_kernel)
 
 
@@ -217,7 +217,7 @@ def decomposition_table(lowered_custom_ops: frozenset[str] = frozenset(), attent
 def _table(fma: torch._ops.OpOverload | None, traced: tuple[tuple[str, str], ...], attention_kernel: bool
            ) -> dict[torch._ops.OpOverload, Callable]:
     table = dict(core_aten_decompositions())
-    table.update(custom_ops.traced_implementations(traced))
+    table.update(traced_implementations.traced_implementations(traced))
     if fma is not None:
         table[fma] = fused_multiply_add
     table.update(get_decompositions(_FROM_TORCH))

@@ -2,7 +2,7 @@
 
 from tpucompile.lowering import rules  # noqa: F401  (registers every lowering rule)
 from tpucompile.lowering.graph import LoweredProgram, OutputSlot, lower_graph
-from tpucompile.lowering.registry import register_lowering
+from tpucompile.lowering.registry import register_rule
 from tpucompile.lowering.shapes import ShapeBindings, is_symbolic
 from tpucompile.lowering.types import TensorSpec
 
@@ -13,5 +13,5 @@ __all__ = [
     "TensorSpec",
     "is_symbolic",
     "lower_graph",
-    "register_lowering",
+    "register_rule",
 ]

@@ -29,7 +29,15 @@ from tpucompile import diagnostics
 from tpucompile.contracts.calling_convention import SEED_POSITION, OutputSlot
 from tpucompile.contracts.donation_marks import DONATABLE, SAVED, UPDATED, kind_of
 from tpucompile.errors import LoweringError, TpuCompileError, UnsupportedOpError
-from tpucompile.lowering import builder, custom_ops, dynamic_sizes, jax_bridge, padding_safety, sharding, unmerged
+from tpucompile.lowering import (
+    builder,
+    custom_ops,
+    dynamic_sizes,
+    jax_bridge,
+    padding_safety,
+    shardy_attributes,
+    unmerged,
+)
 from tpucompile.lowering.context import mlir_context
 from tpucompile.lowering.registry import LoweringContext, is_random, lookup_rule, size_bound
 from tpucompile.lowering.rng import SEED_SHAPE, RandomStream
@@ -118,11 +126,11 @@ class _GraphLowering:
         outputs = output_node.args[0]
         outputs = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
         result_nodes = [o for o in outputs if self._is_result(o)]
-        mesh = sharding.graph_mesh(list(graph.nodes))
+        mesh = shardy_attributes.graph_mesh(list(graph.nodes))
 
         module = ir.Module.create()
         if mesh is not None:
-            sharding.declare_mesh(module, mesh)
+            shardy_attributes.declare_mesh(module, mesh)
         with ir.InsertionPoint(module.body):
             main = func.FuncOp("main", ir.FunctionType.get([spec_type(s) for s in input_specs], []))
             main.attributes["sym_visibility"] = ir.StringAttr.get("public")
@@ -164,9 +172,10 @@ class _GraphLowering:
         )
         if mesh is not None:
             arg_dims = [arg_shardings.get(node, ()) for _, node in tensor_inputs] + ([()] if needs_seed else [])
-            result_dims = [sharding.annotation_dims(n) if sharding.is_annotation(n) else None for n in unique_results]
+            result_dims = [shardy_attributes.annotation_dims(n) if shardy_attributes.is_annotation(n) else None
+                           for n in unique_results]
             result_dims += [()] * len(sizes)
-            sharding.set_shardings(main.operation, arg_dims, [len(s.shape) for s in input_specs],
+            shardy_attributes.set_shardings(main.operation, arg_dims, [len(s.shape) for s in input_specs],
                                    result_dims, [len(s.shape) for s in result_specs])
 
         aliases = self._input_aliases(tensor_inputs, outputs, unique_results, input_specs, result_specs)
@@ -262,10 +271,10 @@ class _GraphLowering:
         aliases: set[torch.fx.Node] = set()
         inputs = {node for _, node in tensor_inputs}
         for node in self.gm.graph.nodes:
-            if not sharding.is_annotation(node):
+            if not shardy_attributes.is_annotation(node):
                 continue
             if node.args[0] in inputs and node.args[0] not in arg_shardings:
-                arg_shardings[node.args[0]] = sharding.annotation_dims(node)
+                arg_shardings[node.args[0]] = shardy_attributes.annotation_dims(node)
                 aliases.add(node)
             elif node in result_nodes:
                 aliases.add(node)

@@ -5,7 +5,7 @@ PyTorch's elementwise type promotion (``torch._prims_common.elementwise_dtypes``
 rule runs, and the cast to the node's result dtype after it, so an elementwise rule only says which StableHLO
 op computes it::
 
-    register_lowering(aten.add.Tensor, promote=DEFAULT)(lambda ctx, a, b, alpha=1: ...)
+    register_rule(aten.add.Tensor, promote=DEFAULT)(lambda ctx, a, b, alpha=1: ...)
 
 Ops whose result size depends on the data (``nonzero``, ``unique``, …) register with ``bound=``: a function of
 the operands' specs giving a static upper bound of that size. The rule then returns its results padded to the
@@ -116,7 +116,7 @@ def _promotion_arg(meta: Any, arg: Any) -> Any:
 _RULES: dict[torch._ops.OpOverload, LoweringRule] = {}
 
 
-def register_lowering(
+def register_rule(
     *ops: torch._ops.OpOverload | torch._ops.OpOverloadPacket,
     promote: PromotionKind | None = None,
     operands: Sequence[int] | None = None,

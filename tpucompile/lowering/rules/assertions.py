@@ -9,18 +9,18 @@ from __future__ import annotations
 
 import torch
 
-from tpucompile.lowering.registry import register_lowering
+from tpucompile.lowering.registry import register_rule
 
 aten = torch.ops.aten
 
 
-@register_lowering(aten._assert_scalar.default)
+@register_rule(aten._assert_scalar.default)
 def _assert_scalar(ctx, condition, message):
     if not condition:
         raise RuntimeError(message)
 
 
-@register_lowering(aten.sym_constrain_range_for_size.default, aten.sym_constrain_range.default)
+@register_rule(aten.sym_constrain_range_for_size.default, aten.sym_constrain_range.default)
 def _constrain_range(ctx, size, min=None, max=None):
     if (min is not None and size < min) or (max is not None and size > max):
         raise RuntimeError(f"size {size} is outside its declared range [{min}, {max}]")

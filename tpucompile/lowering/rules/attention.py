@@ -29,19 +29,19 @@ import torch
 
 from tpucompile.contracts import attention_ops  # noqa: F401  (registers the ops)
 from tpucompile.lowering import jax_bridge
-from tpucompile.lowering.registry import register_lowering
+from tpucompile.lowering.registry import register_rule
 
 BLOCKS = (512, 256, 128)
 """Tile sizes along the sequence, largest first: the largest that divides the length is used."""
 
 
-@register_lowering(torch.ops.tpucompile.attention.default)
+@register_rule(torch.ops.tpucompile.attention.default)
 def _attention(ctx, query, key, value, kv_valid, left, right, scale):
     operands = [query, key, value] + ([kv_valid] if kv_valid is not None else [])
     return _call("attention", splash_forward, math_forward, operands, ctx, left, right, scale)
 
 
-@register_lowering(torch.ops.tpucompile.attention_backward.default)
+@register_rule(torch.ops.tpucompile.attention_backward.default)
 def _attention_backward(ctx, grad_out, query, key, value, out, lse, kv_valid, left, right, scale):
     operands = [grad_out, query, key, value, out, lse] + ([kv_valid] if kv_valid is not None else [])
     return _call("attention_backward", splash_backward, math_backward, operands, ctx, left, right, scale)

@@ -14,7 +14,7 @@ from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import stablehlo as hlo
 
 from tpucompile.lowering import builder
-from tpucompile.lowering.registry import register_lowering
+from tpucompile.lowering.registry import register_rule
 
 aten = torch.ops.aten
 Value = ir.Value
@@ -36,7 +36,7 @@ def _param(value: Value | None, dtype: torch.dtype, channels: int, default: floa
     return builder.convert(value, dtype)
 
 
-@register_lowering(aten._batch_norm_with_update_functional.default)
+@register_rule(aten._batch_norm_with_update_functional.default)
 def _batch_norm_with_update_functional(ctx, x, weight, bias, running_mean, running_var, momentum, eps):
     out_spec, mean_spec, invstd_spec, reserve_spec, rm_spec, rv_spec = ctx.avals_out
     shape = builder.shape_of(x)
@@ -67,7 +67,7 @@ def _batch_norm_with_update_functional(ctx, x, weight, bias, running_mean, runni
     )
 
 
-@register_lowering(aten.batch_norm_backward.default)
+@register_rule(aten.batch_norm_backward.default)
 def _batch_norm_backward(ctx, grad, x, weight, running_mean, running_var, save_mean, save_var, update, eps,
                          output_mask, reserve=None):
     """``save_var`` holds the saved inverse std (the name is ATen's)."""

@@ -25,7 +25,7 @@ from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import stablehlo as hlo
 
 from tpucompile.lowering import builder
-from tpucompile.lowering.registry import register_lowering
+from tpucompile.lowering.registry import register_rule
 from tpucompile.lowering.types import tensor_type
 
 aten = torch.ops.aten
@@ -145,7 +145,7 @@ def _parameters(x, stride, padding, dilation, output_padding):
             builder.per_dim(output_padding, nd))
 
 
-@register_lowering(aten.convolution.default)
+@register_rule(aten.convolution.default)
 def _convolution_rule(ctx, x, w, bias, stride, padding, dilation, transposed, output_padding, groups):
     dtype = ctx.aval_out.dtype
     acc = builder.accumulator_dtype(dtype)
@@ -162,7 +162,7 @@ def _convolution_rule(ctx, x, w, bias, stride, padding, dilation, transposed, ou
     return builder.convert(y, dtype)
 
 
-@register_lowering(aten.convolution_backward.default)
+@register_rule(aten.convolution_backward.default)
 def _convolution_backward(
     ctx, gy, x, w, bias_sizes, stride, padding, dilation, transposed, output_padding, groups, output_mask
 ):

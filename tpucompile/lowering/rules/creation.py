@@ -6,28 +6,28 @@ import torch
 from jax.extend.mlir.dialects import stablehlo as hlo
 
 from tpucompile.lowering import builder
-from tpucompile.lowering.registry import register_lowering
+from tpucompile.lowering.registry import register_rule
 
 aten = torch.ops.aten
 prims = torch.ops.prims
 
 
-@register_lowering(aten.full.default)
+@register_rule(aten.full.default)
 def _full(ctx, size, fill_value, **kwargs):
     return ctx.scalar(1, fill_value, ctx.aval_out.dtype, ctx.aval_out.shape)
 
 
-@register_lowering(aten.full_like.default)
+@register_rule(aten.full_like.default)
 def _full_like(ctx, like, fill_value, **kwargs):
     return ctx.scalar(1, fill_value, ctx.aval_out.dtype, ctx.aval_out.shape)
 
 
-@register_lowering(aten.scalar_tensor.default)
+@register_rule(aten.scalar_tensor.default)
 def _scalar_tensor(ctx, value, **kwargs):
     return ctx.scalar(0, value, ctx.aval_out.dtype, ())
 
 
-@register_lowering(
+@register_rule(
     aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.default, aten.empty_permuted.default,
     aten.new_empty.default, aten.new_empty_strided.default, aten.zeros.default, aten.zeros_like.default,
     aten.new_zeros.default, aten._efficientzerotensor.default,
@@ -38,7 +38,7 @@ def _zeros(ctx, *args, **kwargs):
     return builder.constant(0, ctx.aval_out.dtype, ctx.aval_out.shape)
 
 
-@register_lowering(aten.ones.default, aten.ones_like.default)
+@register_rule(aten.ones.default, aten.ones_like.default)
 def _ones(ctx, *args, **kwargs):
     return builder.constant(1, ctx.aval_out.dtype, ctx.aval_out.shape)
 
@@ -58,21 +58,21 @@ def _arange(ctx, start, step, start_position: int | None, step_position: int | N
     return builder.convert(hlo.add(first, hlo.multiply(index, stride)), dtype)
 
 
-@register_lowering(aten.arange.default)
+@register_rule(aten.arange.default)
 def _arange_end(ctx, end, **kwargs):
     return _arange(ctx, 0, 1, start_position=None)
 
 
-@register_lowering(aten.arange.start)
+@register_rule(aten.arange.start)
 def _arange_start(ctx, start, end, **kwargs):
     return _arange(ctx, start, 1, start_position=0)
 
 
-@register_lowering(aten.arange.start_step)
+@register_rule(aten.arange.start_step)
 def _arange_start_step(ctx, start, end, step=1, **kwargs):
     return _arange(ctx, start, step, start_position=0, step_position=2)
 
 
-@register_lowering(prims.iota.default)
+@register_rule(prims.iota.default)
 def _iota(ctx, length, *, start, step, **kwargs):
     return _arange(ctx, start, step, start_position=None)

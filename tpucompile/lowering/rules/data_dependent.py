@@ -23,7 +23,7 @@ import torch
 from jax.extend.mlir import ir
 
 from tpucompile.lowering import builder, jax_bridge
-from tpucompile.lowering.registry import register_lowering
+from tpucompile.lowering.registry import register_rule
 from tpucompile.lowering.types import TensorSpec
 
 aten = torch.ops.aten
@@ -46,7 +46,7 @@ def _compact(jnp, keep, values):
     return padded, jnp.sum(keep, dtype=jnp.int64)
 
 
-@register_lowering(aten.nonzero.default, bound=lambda x: builder.numel(x.shape))
+@register_rule(aten.nonzero.default, bound=lambda x: builder.numel(x.shape))
 def _nonzero(ctx, x):
     shape = tuple(ctx.operand_metas[0].shape)
     rank = len(shape)
@@ -69,7 +69,7 @@ def _broadcast_numel(x: TensorSpec, mask: TensorSpec) -> int:
     return builder.numel(torch.broadcast_shapes(x.shape, mask.shape))
 
 
-@register_lowering(aten.masked_select.default, bound=_broadcast_numel)
+@register_rule(aten.masked_select.default, bound=_broadcast_numel)
 def _masked_select(ctx, x, mask):
     def fn(x, mask):
         import jax.numpy as jnp
@@ -137,13 +137,13 @@ def _unique(ctx, x, *, dim: int | None, sort: bool, want_inverse: bool, want_cou
     return _call(ctx, name, fn, [x], params=(dim, sort, want_inverse, want_counts))
 
 
-@register_lowering(aten._unique2.default, bound=lambda x, *args, **kwargs: builder.numel(x.shape))
+@register_rule(aten._unique2.default, bound=lambda x, *args, **kwargs: builder.numel(x.shape))
 def _unique2(ctx, x, sorted=True, return_inverse=False, return_counts=False):
     return _unique(ctx, x, dim=None, sort=True, want_inverse=return_inverse, want_counts=return_counts,
                    name="unique")
 
 
-@register_lowering(aten.unique_dim.default, bound=lambda x, dim, *args, **kwargs: x.shape[dim])
+@register_rule(aten.unique_dim.default, bound=lambda x, dim, *args, **kwargs: x.shape[dim])
 def _unique_dim(ctx, x, dim, sorted=True, return_inverse=False, return_counts=False):
     return _unique(ctx, x, dim=dim, sort=True, want_inverse=return_inverse, want_counts=return_counts,
                    name="unique_dim")
@@ -153,7 +153,7 @@ def _unique_consecutive_bound(x: TensorSpec, return_inverse=False, return_counts
     return builder.numel(x.shape) if dim is None else x.shape[dim]
 
 
-@register_lowering(aten.unique_consecutive.default, bound=_unique_consecutive_bound)
+@register_rule(aten.unique_consecutive.default, bound=_unique_consecutive_bound)
 def _unique_consecutive(ctx, x, return_inverse=False, return_counts=False, dim=None):
     return _unique(ctx, x, dim=dim, sort=False, want_inverse=return_inverse, want_counts=return_counts,
                    name="unique_consecutive")

@@ -15,35 +15,35 @@ from jax.extend.mlir.dialects import stablehlo as hlo
 
 from tpucompile.lowering import builder
 from tpucompile.lowering.registry import PromotionKind as K
-from tpucompile.lowering.registry import register_lowering
+from tpucompile.lowering.registry import register_rule
 from tpucompile.lowering.types import tensor_type
 
 aten = torch.ops.aten
 
 
-@register_lowering(aten.add.Tensor, aten.add.Scalar, promote=K.DEFAULT, operands=(0, 1))
+@register_rule(aten.add.Tensor, aten.add.Scalar, promote=K.DEFAULT, operands=(0, 1))
 def _add(ctx, a, b, alpha=1):
     return hlo.add(a, builder.scaled(b, alpha))
 
 
-@register_lowering(aten.sub.Tensor, aten.sub.Scalar, promote=K.DEFAULT, operands=(0, 1))
+@register_rule(aten.sub.Tensor, aten.sub.Scalar, promote=K.DEFAULT, operands=(0, 1))
 def _sub(ctx, a, b, alpha=1):
     return hlo.subtract(a, builder.scaled(b, alpha))
 
 
-@register_lowering(aten.rsub.Tensor, aten.rsub.Scalar, promote=K.DEFAULT, operands=(0, 1))
+@register_rule(aten.rsub.Tensor, aten.rsub.Scalar, promote=K.DEFAULT, operands=(0, 1))
 def _rsub(ctx, a, b, alpha=1):
     return hlo.subtract(b, builder.scaled(a, alpha))
 
 
-@register_lowering(aten.mul.Tensor, aten.mul.Scalar, promote=K.DEFAULT)
+@register_rule(aten.mul.Tensor, aten.mul.Scalar, promote=K.DEFAULT)
 def _mul(ctx, a, b):
     if builder.dtype_of(a) is torch.bool:
         return hlo.and_(a, b)
     return hlo.multiply(a, b)
 
 
-@register_lowering(aten.div.Tensor, aten.div.Scalar, promote=K.INT_TO_FLOAT)
+@register_rule(aten.div.Tensor, aten.div.Scalar, promote=K.INT_TO_FLOAT)
 def _true_divide(ctx, a, b):
     return hlo.divide(a, b)
 
@@ -78,7 +78,7 @@ def floor_divide(a: ir.Value, b: ir.Value) -> ir.Value:
     return builder.select(builder.compare(b, zero, "EQ"), plain, result)
 
 
-@register_lowering(aten.div.Tensor_mode, aten.div.Scalar_mode, promote=K.DEFAULT, operands=(0, 1))
+@register_rule(aten.div.Tensor_mode, aten.div.Scalar_mode, promote=K.DEFAULT, operands=(0, 1))
 def _divide_with_mode(ctx, a, b, rounding_mode=None):
     if rounding_mode is None:
         if not builder.dtype_of(a).is_floating_point:
@@ -90,12 +90,12 @@ def _divide_with_mode(ctx, a, b, rounding_mode=None):
     return floor_divide(a, b)
 
 
-@register_lowering(aten.floor_divide.default, aten.floor_divide.Scalar, promote=K.DEFAULT)
+@register_rule(aten.floor_divide.default, aten.floor_divide.Scalar, promote=K.DEFAULT)
 def _floor_divide(ctx, a, b):
     return floor_divide(a, b)
 
 
-@register_lowering(aten.remainder.Tensor, aten.remainder.Scalar, aten.remainder.Scalar_Tensor, promote=K.DEFAULT)
+@register_rule(aten.remainder.Tensor, aten.remainder.Scalar, aten.remainder.Scalar_Tensor, promote=K.DEFAULT)
 def _remainder(ctx, a, b):
     """Python-style modulus: the result takes the sign of the divisor."""
     dtype, shape = builder.dtype_of(a), builder.shape_of(a)
@@ -106,7 +106,7 @@ def _remainder(ctx, a, b):
     return builder.select(fix, hlo.add(rem, b), rem)
 
 
-@register_lowering(aten.fmod.Tensor, aten.fmod.Scalar, promote=K.DEFAULT)
+@register_rule(aten.fmod.Tensor, aten.fmod.Scalar, promote=K.DEFAULT)
 def _fmod(ctx, a, b):
     return hlo.remainder(a, b)
 
@@ -114,7 +114,7 @@ def _fmod(ctx, a, b):
 _POW_FAST_PATH_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
 
 
-@register_lowering(aten.pow.Tensor_Tensor, aten.pow.Tensor_Scalar, aten.pow.Scalar, promote=K.BOOL_TO_LONG)
+@register_rule(aten.pow.Tensor_Tensor, aten.pow.Tensor_Scalar, aten.pow.Scalar, promote=K.BOOL_TO_LONG)
 def _pow(ctx, a, b):
     exponent = ctx.node.args[1] if ctx.node.target is aten.pow.Tensor_Scalar else None
     if isinstance(exponent, (int, float)) and ctx.aval_out.dtype in _POW_FAST_PATH_DTYPES:
@@ -136,23 +136,23 @@ def _pow(ctx, a, b):
     return hlo.power(a, b)
 
 
-@register_lowering(aten.maximum.default, promote=K.DEFAULT)
+@register_rule(aten.maximum.default, promote=K.DEFAULT)
 def _maximum(ctx, a, b):
     return hlo.maximum(a, b)  # StableHLO's maximum propagates NaN, as torch.maximum does
 
 
-@register_lowering(aten.minimum.default, promote=K.DEFAULT)
+@register_rule(aten.minimum.default, promote=K.DEFAULT)
 def _minimum(ctx, a, b):
     return hlo.minimum(a, b)
 
 
-@register_lowering(aten.fmax.default, promote=K.DEFAULT)
+@register_rule(aten.fmax.default, promote=K.DEFAULT)
 def _fmax(ctx, a, b):
     """``maximum`` that ignores a NaN operand (NaN only when both are NaN)."""
     return _ignoring_nan(a, b, hlo.maximum(a, b))
 
 
-@register_lowering(aten.fmin.default, promote=K.DEFAULT)
+@register_rule(aten.fmin.default, promote=K.DEFAULT)
 def _fmin(ctx, a, b):
     return _ignoring_nan(a, b, hlo.minimum(a, b))
 
@@ -163,12 +163,12 @@ def _ignoring_nan(a, b, result):
     return builder.select(builder.is_nan(a), b, builder.select(builder.is_nan(b), a, result))
 
 
-@register_lowering(aten.atan2.default, promote=K.INT_TO_FLOAT)
+@register_rule(aten.atan2.default, promote=K.INT_TO_FLOAT)
 def _atan2(ctx, a, b):
     return hlo.atan2(a, b)
 
 
-@register_lowering(aten.clamp.default, aten.clamp.Tensor, promote=K.DEFAULT, operands=(0, 1, 2))
+@register_rule(aten.clamp.default, aten.clamp.Tensor, promote=K.DEFAULT, operands=(0, 1, 2))
 def _clamp(ctx, x, min=None, max=None):
     if min is not None:
         x = hlo.maximum(x, min)
@@ -177,17 +177,17 @@ def _clamp(ctx, x, min=None, max=None):
     return x
 
 
-@register_lowering(aten.clamp_min.default, aten.clamp_min.Tensor, promote=K.DEFAULT)
+@register_rule(aten.clamp_min.default, aten.clamp_min.Tensor, promote=K.DEFAULT)
 def _clamp_min(ctx, x, bound):
     return hlo.maximum(x, bound)
 
 
-@register_lowering(aten.clamp_max.default, aten.clamp_max.Tensor, promote=K.DEFAULT)
+@register_rule(aten.clamp_max.default, aten.clamp_max.Tensor, promote=K.DEFAULT)
 def _clamp_max(ctx, x, bound):
     return hlo.minimum(x, bound)
 
 
-@register_lowering(aten.where.self, aten.where.ScalarSelf, aten.where.ScalarOther, aten.where.Scalar,
+@register_rule(aten.where.self, aten.where.ScalarSelf, aten.where.ScalarOther, aten.where.Scalar,
                    promote=K.NO_OPMATH, operands=(1, 2))
 def _where(ctx, condition, a, b):
     if not hasattr(condition, "type"):
@@ -200,7 +200,7 @@ def _register_comparison(direction: str, *ops) -> None:
     def rule(ctx, a, b):
         return builder.compare(a, b, direction)
 
-    register_lowering(*ops, promote=K.ALWAYS_BOOL)(rule)
+    register_rule(*ops, promote=K.ALWAYS_BOOL)(rule)
 
 
 _register_comparison("EQ", aten.eq.Tensor, aten.eq.Scalar)
@@ -215,45 +215,45 @@ def _as_bool(value):
     return builder.convert(value, torch.bool)
 
 
-@register_lowering(aten.logical_and.default, promote=K.ALWAYS_BOOL)
+@register_rule(aten.logical_and.default, promote=K.ALWAYS_BOOL)
 def _logical_and(ctx, a, b):
     return hlo.and_(_as_bool(a), _as_bool(b))
 
 
-@register_lowering(aten.logical_or.default, promote=K.ALWAYS_BOOL)
+@register_rule(aten.logical_or.default, promote=K.ALWAYS_BOOL)
 def _logical_or(ctx, a, b):
     return hlo.or_(_as_bool(a), _as_bool(b))
 
 
-@register_lowering(aten.logical_xor.default, promote=K.ALWAYS_BOOL)
+@register_rule(aten.logical_xor.default, promote=K.ALWAYS_BOOL)
 def _logical_xor(ctx, a, b):
     return hlo.xor(_as_bool(a), _as_bool(b))
 
 
-@register_lowering(aten.logical_not.default, promote=K.ALWAYS_BOOL)
+@register_rule(aten.logical_not.default, promote=K.ALWAYS_BOOL)
 def _logical_not(ctx, a):
     return hlo.not_(_as_bool(a))
 
 
-@register_lowering(aten.bitwise_and.Tensor, aten.bitwise_and.Scalar, aten.bitwise_and.Scalar_Tensor,
+@register_rule(aten.bitwise_and.Tensor, aten.bitwise_and.Scalar, aten.bitwise_and.Scalar_Tensor,
                    promote=K.DEFAULT)
 def _bitwise_and(ctx, a, b):
     return hlo.and_(a, b)
 
 
-@register_lowering(aten.bitwise_or.Tensor, aten.bitwise_or.Scalar, aten.bitwise_or.Scalar_Tensor,
+@register_rule(aten.bitwise_or.Tensor, aten.bitwise_or.Scalar, aten.bitwise_or.Scalar_Tensor,
                    promote=K.DEFAULT)
 def _bitwise_or(ctx, a, b):
     return hlo.or_(a, b)
 
 
-@register_lowering(aten.bitwise_xor.Tensor, aten.bitwise_xor.Scalar, aten.bitwise_xor.Scalar_Tensor,
+@register_rule(aten.bitwise_xor.Tensor, aten.bitwise_xor.Scalar, aten.bitwise_xor.Scalar_Tensor,
                    promote=K.DEFAULT)
 def _bitwise_xor(ctx, a, b):
     return hlo.xor(a, b)
 
 
-@register_lowering(aten.bitwise_not.default, promote=K.DEFAULT)
+@register_rule(aten.bitwise_not.default, promote=K.DEFAULT)
 def _bitwise_not(ctx, a):
     return hlo.not_(a)
 
@@ -273,7 +273,7 @@ def _bitcast(value, dtype):
     return hlo.bitcast_convert(tensor_type(builder.shape_of(value), dtype), value)
 
 
-@register_lowering(aten.copysign.Tensor, aten.copysign.Scalar, promote=K.INT_TO_FLOAT)
+@register_rule(aten.copysign.Tensor, aten.copysign.Scalar, promote=K.INT_TO_FLOAT)
 def _copysign(ctx, a, b):
     """The magnitude of ``a`` with the sign bit of ``b`` (NaN and -0.0 included), as C's ``copysign``."""
     dtype = builder.dtype_of(a)
@@ -303,7 +303,7 @@ def _is_zero_bits(bits):
     return builder.compare(magnitude, builder.constant_like(0, bits), "EQ")
 
 
-@register_lowering(aten.nextafter.default, promote=K.NO_OPMATH)
+@register_rule(aten.nextafter.default, promote=K.NO_OPMATH)
 def _nextafter(ctx, a, b):
     """The float after ``a`` toward ``b`` (in the operands' own precision): one step of the bit pattern in
     float order. Tests and selects all work on the bits: XLA's CPU backend runs with subnormals flushed to zero,
@@ -326,7 +326,7 @@ def _nextafter(ctx, a, b):
     return _bitcast(builder.select(either_nan, nan, result), dtype)
 
 
-@register_lowering(aten.frexp.Tensor)
+@register_rule(aten.frexp.Tensor)
 def _frexp(ctx, x):
     """Mantissa in [0.5, 1) and int32 exponent with ``x == mantissa * 2**exponent``, read off the bits
     (subnormals normalised with a leading-zero count); 0, inf and NaN give themselves and exponent 0. As in
@@ -364,14 +364,14 @@ def _frexp(ctx, x):
     return builder.convert(mantissa, dtype), builder.convert(exponent, torch.int32)
 
 
-@register_lowering(aten.ldexp.Tensor, promote=K.INT_TO_FLOAT)
+@register_rule(aten.ldexp.Tensor, promote=K.INT_TO_FLOAT)
 def _ldexp(ctx, a, b):
     """``a * 2 ** b``, as eager computes it (``mul(self, pow(2, other))``)."""
     two = builder.constant(2, builder.dtype_of(b), builder.shape_of(b))
     return hlo.multiply(a, hlo.power(two, b))
 
 
-@register_lowering(aten.hypot.default, promote=K.DEFAULT)
+@register_rule(aten.hypot.default, promote=K.DEFAULT)
 def _hypot(ctx, a, b):
     """``sqrt(a² + b²)`` without overflow: ``big * sqrt(1 + (small / big)²)``; inf if either is infinite."""
     dtype, shape = builder.dtype_of(a), builder.shape_of(a)
@@ -386,7 +386,7 @@ def _hypot(ctx, a, b):
     return builder.select(infinite, inf, result)
 
 
-@register_lowering(aten.angle.default, promote=K.INT_TO_FLOAT)
+@register_rule(aten.angle.default, promote=K.INT_TO_FLOAT)
 def _angle(ctx, x):
     """The argument of a real number: pi for negative values, 0 otherwise, NaN for NaN."""
     dtype, shape = builder.dtype_of(x), builder.shape_of(x)

@@ -23,7 +23,7 @@ from jax.extend.mlir.dialects import stablehlo as hlo
 
 from tpucompile.errors import UnsupportedOpError
 from tpucompile.lowering import builder
-from tpucompile.lowering.registry import register_lowering
+from tpucompile.lowering.registry import register_rule
 
 aten = torch.ops.aten
 Value = ir.Value
@@ -162,7 +162,7 @@ def _forward(ctx, weight, indices, offsets, scale_grad_by_freq=False, mode=SUM, 
     )
 
 
-@register_lowering(aten._embedding_bag.default, aten._embedding_bag_forward_only.default)
+@register_rule(aten._embedding_bag.default, aten._embedding_bag_forward_only.default)
 def _embedding_bag(ctx, weight, indices, offsets, *args, **kwargs):
     return _forward(ctx, weight, indices, offsets, *args, **kwargs)
 
@@ -221,7 +221,7 @@ def _backward(grad, indices, bags, bag_size, maximum_indices, num_weights, scale
     return builder.convert(result, dtype)
 
 
-@register_lowering(aten._embedding_bag_backward.default)
+@register_rule(aten._embedding_bag_backward.default)
 def _embedding_bag_backward(ctx, grad, indices, offsets, offset2bag, bag_size, maximum_indices, num_weights,
                             scale_grad_by_freq, mode, sparse, per_sample_weights, padding_idx=-1):
     if sparse:
@@ -231,7 +231,7 @@ def _embedding_bag_backward(ctx, grad, indices, offsets, offset2bag, bag_size, m
                      per_sample_weights, padding_idx)
 
 
-@register_lowering(aten._embedding_bag_dense_backward.default)
+@register_rule(aten._embedding_bag_dense_backward.default)
 def _embedding_bag_dense_backward(ctx, grad, indices, offset2bag, bag_size, maximum_indices, num_weights,
                                   scale_grad_by_freq, mode, per_sample_weights, padding_idx=-1):
     count = builder.shape_of(indices)[0]
@@ -244,7 +244,7 @@ def _embedding_bag_dense_backward(ctx, grad, indices, offset2bag, bag_size, maxi
                      per_sample_weights, padding_idx)
 
 
-@register_lowering(aten._embedding_bag_per_sample_weights_backward.default)
+@register_rule(aten._embedding_bag_per_sample_weights_backward.default)
 def _per_sample_weights_backward(ctx, grad, weight, indices, offsets, offset2bag, mode, padding_idx=-1):
     if mode != SUM:
         raise UnsupportedOpError("embedding_bag: per_sample_weights are only supported with mode='sum'")

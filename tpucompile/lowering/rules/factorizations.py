@@ -38,7 +38,7 @@ import torch
 from jax.extend.mlir import ir
 
 from tpucompile.lowering import builder, jax_bridge
-from tpucompile.lowering.registry import register_lowering
+from tpucompile.lowering.registry import register_rule
 from tpucompile.lowering.types import TensorSpec
 
 aten = torch.ops.aten
@@ -226,7 +226,7 @@ def _jax_svd(a, full_matrices: bool, compute_uv: bool):
     return tuple(jnp.linalg.svd(a, full_matrices=full_matrices))
 
 
-@register_lowering(aten._linalg_svd.default)
+@register_rule(aten._linalg_svd.default)
 def _linalg_svd(ctx, a, full_matrices=False, compute_uv=True, *, driver=None):
     specs = ctx.avals_out
     if builder.numel(builder.shape_of(a)) == 0:
@@ -471,7 +471,7 @@ def _jax_eigvalsh(a, lower: bool):
     return lax.linalg.eigh(a, lower=lower, symmetrize_input=False, sort_eigenvalues=True)[1]
 
 
-@register_lowering(aten._linalg_eigh.default)
+@register_rule(aten._linalg_eigh.default)
 def _linalg_eigh(ctx, a, UPLO="L", compute_v=True):
     specs = ctx.avals_out
     if builder.numel(builder.shape_of(a)) == 0:
@@ -518,7 +518,7 @@ def _jax_pinv(a, *tolerances, hermitian: bool, has_atol: bool, has_rtol: bool):
     return jnp.matmul(jnp.swapaxes(vh, -1, -2) * inverse[..., None, :], jnp.swapaxes(u, -1, -2))
 
 
-@register_lowering(aten.linalg_pinv.atol_rtol_tensor)
+@register_rule(aten.linalg_pinv.atol_rtol_tensor)
 def _linalg_pinv(ctx, a, atol=None, rtol=None, hermitian=False):
     spec = ctx.aval_out
     if builder.numel(builder.shape_of(a)) == 0:
@@ -538,7 +538,7 @@ def _jax_qr(a, mode: str):
     return jnp.linalg.qr(a, mode=mode)
 
 
-@register_lowering(aten.linalg_qr.default)
+@register_rule(aten.linalg_qr.default)
 def _linalg_qr(ctx, a, mode="reduced"):
     q_spec, r_spec = ctx.avals_out
     if builder.numel(builder.shape_of(a)) == 0:
@@ -578,7 +578,7 @@ def _jax_geqrf(a):
     return _batched(_geqr2, a, core_ranks=(2,))
 
 
-@register_lowering(aten.geqrf.default)
+@register_rule(aten.geqrf.default)
 def _geqrf(ctx, a):
     specs = list(ctx.avals_out)
     if builder.numel(builder.shape_of(a)) == 0:
@@ -592,7 +592,7 @@ def _jax_householder_product(a, tau):
     return lax.linalg.householder_product(a, tau)
 
 
-@register_lowering(aten.linalg_householder_product.default)
+@register_rule(aten.linalg_householder_product.default)
 def _householder_product(ctx, a, tau):
     spec = ctx.aval_out
     if builder.numel(spec.shape) == 0:
@@ -619,7 +619,7 @@ def _jax_ormqr(a, tau, c, left: bool, transpose: bool):
     return jnp.matmul(q, c) if left else jnp.matmul(c, q)
 
 
-@register_lowering(aten.ormqr.default)
+@register_rule(aten.ormqr.default)
 def _ormqr(ctx, a, tau, c, left=True, transpose=False):
     spec = ctx.aval_out
     if builder.numel(spec.shape) == 0:
@@ -720,7 +720,7 @@ def _jax_ldl_factor(a):
     return _batched(_sytf2_lower, a, core_ranks=(2,))
 
 
-@register_lowering(aten.linalg_ldl_factor_ex.default)
+@register_rule(aten.linalg_ldl_factor_ex.default)
 def _linalg_ldl_factor_ex(ctx, a, *, hermitian=False, check_errors=False):
     # Real matrices only, so hermitian and symmetric factorisations are the same.
     specs = list(ctx.avals_out)
@@ -803,7 +803,7 @@ def _jax_ldl_solve(ld, pivots, b):
     return _batched(_sytrs_lower, ld, pivots, b, core_ranks=(2, 1, 2))[0]
 
 
-@register_lowering(aten.linalg_ldl_solve.default)
+@register_rule(aten.linalg_ldl_solve.default)
 def _linalg_ldl_solve(ctx, ld, pivots, b, *, hermitian=False):
     spec = ctx.aval_out
     if builder.numel(spec.shape) == 0:
@@ -820,7 +820,7 @@ def _jax_matrix_exp(a):
     return expm(a)
 
 
-@register_lowering(aten.linalg_matrix_exp.default)
+@register_rule(aten.linalg_matrix_exp.default)
 def _linalg_matrix_exp(ctx, a):
     spec = ctx.aval_out
     if builder.numel(spec.shape) == 0:

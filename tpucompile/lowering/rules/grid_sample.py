@@ -19,7 +19,7 @@ import torch
 
 from tpucompile.errors import UnsupportedOpError
 from tpucompile.lowering import builder, jax_bridge
-from tpucompile.lowering.registry import register_lowering
+from tpucompile.lowering.registry import register_rule
 
 aten = torch.ops.aten
 
@@ -165,12 +165,12 @@ def _forward(ctx, image, grid, mode, padding, align_corners):
     return builder.convert(out, out_dtype)
 
 
-@register_lowering(aten.grid_sampler_2d.default, aten.grid_sampler_3d.default)
+@register_rule(aten.grid_sampler_2d.default, aten.grid_sampler_3d.default)
 def _grid_sampler(ctx, image, grid, interpolation_mode, padding_mode, align_corners):
     return _forward(ctx, image, grid, interpolation_mode, padding_mode, align_corners)
 
 
-@register_lowering(aten.grid_sampler_2d_backward.default, aten.grid_sampler_3d_backward.default)
+@register_rule(aten.grid_sampler_2d_backward.default, aten.grid_sampler_3d_backward.default)
 def _grid_sampler_backward(ctx, grad, image, grid, interpolation_mode, padding_mode, align_corners, output_mask):
     """``jax.vjp`` of the forward. The gradient of the grid is zero for ``nearest``; the image's values are
     passed to jax only when the grid's gradient needs them (the image's own gradient does not depend on

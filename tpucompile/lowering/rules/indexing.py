@@ -19,7 +19,7 @@ from jax.extend.mlir.dialects import stablehlo as hlo
 
 from tpucompile.errors import UnsupportedOpError
 from tpucompile.lowering import builder, dynamic_sizes, jax_bridge
-from tpucompile.lowering.registry import register_lowering
+from tpucompile.lowering.registry import register_rule
 
 aten = torch.ops.aten
 Value = ir.Value
@@ -172,7 +172,7 @@ def _scalar_or_tensor(value: Value | bool | int | float, dtype: torch.dtype, sha
 # --- advanced indexing --------------------------------------------------------------------------------------
 
 
-@register_lowering(aten.index.Tensor, aten._unsafe_index.Tensor)
+@register_rule(aten.index.Tensor, aten._unsafe_index.Tensor)
 def _index(ctx, x, indices):
     if 0 in ctx.aval_out.shape:  # nothing to gather (and XLA refuses gathers from an empty dimension)
         return builder.constant(0, ctx.aval_out.dtype, ctx.aval_out.shape)
@@ -201,7 +201,7 @@ def _masked_take(x: Value, position: int, mask: Value, out_shape: Sequence[int])
     return builder.reshape(_take(flat, [None] * position + [where]), out_shape)
 
 
-@register_lowering(aten.index_put.default, aten._unsafe_index_put.default)
+@register_rule(aten.index_put.default, aten._unsafe_index_put.default)
 def _index_put(ctx, x, indices, values, accumulate=False):
     combiner = _add if accumulate else _replace
     masked = _single_mask(indices)
@@ -262,7 +262,7 @@ def _clamped_rank(mask: Value, count: int) -> Value:
     return hlo.clamp(low, rank, high)
 
 
-@register_lowering(aten.index_select.default)
+@register_rule(aten.index_select.default)
 def _index_select(ctx, x, dim, index):
     x = builder.at_least_1d(x)
     dim %= builder.rank_of(x)
@@ -270,7 +270,7 @@ def _index_select(ctx, x, dim, index):
     return builder.reshape(_take(x, [None] * dim + [index]), ctx.aval_out.shape)
 
 
-@register_lowering(aten.take.default)
+@register_rule(aten.take.default)
 def _take_flat(ctx, x, index):
     """``torch.take``: ``x`` read as if flattened (PyTorch's decomposition turns a 0-d index into ``.item()``)."""
     if 0 in ctx.aval_out.shape:
@@ -280,12 +280,12 @@ def _take_flat(ctx, x, index):
     return builder.reshape(_take(flat, [positions]), ctx.aval_out.shape)
 
 
-@register_lowering(aten.embedding.default)
+@register_rule(aten.embedding.default)
 def _embedding(ctx, weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
     return _take(weight, [indices])  # padding_idx and the flags only matter to the backward
 
 
-@register_lowering(aten.embedding_renorm.default)
+@register_rule(aten.embedding_renorm.default)
 def _embedding_renorm(ctx, weight, indices, max_norm, norm_type):
     """``embedding(max_norm=)``'s rescale: rows that ``indices`` reads and whose ``norm_type``-norm exceeds
     ``max_norm`` are scaled by ``max_norm / (norm + 1e-7)``, as the eager kernel does row by row."""
@@ -325,17 +325,17 @@ def _index_update(ctx, x, dim, index, source, combiner: Combiner, fill: bool = F
     return builder.reshape(_put(x, [None] * dim + [index], source, combiner), ctx.aval_out.shape)
 
 
-@register_lowering(aten.index_add.default)
+@register_rule(aten.index_add.default)
 def _index_add(ctx, x, dim, index, source, alpha=1):
     return _index_update(ctx, x, dim, index, builder.scaled(source, alpha), _add)
 
 
-@register_lowering(aten.index_copy.default)
+@register_rule(aten.index_copy.default)
 def _index_copy(ctx, x, dim, index, source):
     return _index_update(ctx, x, dim, index, source, _replace)
 
 
-@register_lowering(aten.index_fill.int_Scalar, aten.index_fill.int_Tensor)
+@register_rule(aten.index_fill.int_Scalar, aten.index_fill.int_Tensor)
 def _index_fill(ctx, x, dim, index, value):
     return _index_update(ctx, x, dim, index, value, _replace, fill=True)
 
@@ -343,7 +343,7 @@ def _index_fill(ctx, x, dim, index, value):
 # --- torch.gather / torch.scatter ---------------------------------------------------------------------------
 
 
-@register_lowering(aten.gather.default)
+@register_rule(aten.gather.default)
 def _gather(ctx, x, dim, index, sparse_grad=False):
     if builder.numel(ctx.aval_out.shape) == 0:  # an empty index may have any rank (torch only checks non-empty ones)
         return builder.constant(0, ctx.aval_out.dtype, ctx.aval_out.shape)
@@ -376,7 +376,7 @@ def _scatter_with(ctx, x, dim, index, src, combiner: Combiner) -> Value:
     return builder.reshape(_pointwise_scatter(x, dim, index, src, combiner), ctx.aval_out.shape)
 
 
-@register_lowering(aten.scatter.src, aten.scatter.value)
+@register_rule(aten.scatter.src, aten.scatter.value)
 def _scatter(ctx, x, dim, index, src):
     return _scatter_with(ctx, x, dim, index, src, _replace)
 
@@ -384,17 +384,17 @@ def _scatter(ctx, x, dim, index, src):
 _LEGACY_REDUCTIONS: dict[str, Combiner] = {"add": _add, "multiply": _multiply}
 
 
-@register_lowering(aten.scatter.reduce, aten.scatter.value_reduce)
+@register_rule(aten.scatter.reduce, aten.scatter.value_reduce)
 def _scatter_legacy_reduce(ctx, x, dim, index, src, reduce):
     return _scatter_with(ctx, x, dim, index, src, _LEGACY_REDUCTIONS[reduce])
 
 
-@register_lowering(aten.scatter_add.default)
+@register_rule(aten.scatter_add.default)
 def _scatter_add(ctx, x, dim, index, src):
     return _scatter_with(ctx, x, dim, index, src, _add)
 
 
-@register_lowering(aten.scatter_reduce.two)
+@register_rule(aten.scatter_reduce.two)
 def _scatter_reduce(ctx, x, dim, index, src, reduce, include_self=True):
     """``scatter_reduce``; with ``include_self=False`` the targeted elements start from the reduction's
     identity, and ``mean`` divides by how many values (self included or not) landed on each element."""
@@ -465,7 +465,7 @@ def _strided_scatter(x: Value, src: Value, dim: int, start: int, step: int) -> V
     return builder.select(builder.broadcast_in_dims(mask, shape, [dim]), padded, x)
 
 
-@register_lowering(aten.slice_scatter.default)
+@register_rule(aten.slice_scatter.default)
 def _slice_scatter(ctx, x, src, dim=0, start=None, end=None, step=1):
     shape = builder.shape_of(x)
     dim %= len(shape)
@@ -487,7 +487,7 @@ def _scatter_from_actual_end(ctx, x, src, dim: int, start: int):
     return hlo.dynamic_update_slice(x, builder.convert(src, builder.dtype_of(x)), starts)
 
 
-@register_lowering(aten.select_scatter.default)
+@register_rule(aten.select_scatter.default)
 def _select_scatter(ctx, x, src, dim, index):
     shape = builder.shape_of(x)
     dim %= len(shape)
@@ -498,7 +498,7 @@ def _select_scatter(ctx, x, src, dim, index):
     return _strided_scatter(x, src, dim, index, 1)
 
 
-@register_lowering(aten.masked_fill.Scalar, aten.masked_fill.Tensor)
+@register_rule(aten.masked_fill.Scalar, aten.masked_fill.Tensor)
 def _masked_fill(ctx, x, mask, value):
     shape, dtype = ctx.aval_out.shape, ctx.aval_out.dtype
     mask = builder.broadcast_to(builder.convert(mask, torch.bool), shape)
@@ -509,7 +509,7 @@ def _masked_fill(ctx, x, mask, value):
 # --- index_reduce, put, masked_scatter, nonzero_static, narrow_copy, unbind_copy ------------------------------
 
 
-@register_lowering(aten.index_reduce.default)
+@register_rule(aten.index_reduce.default)
 def _index_reduce(ctx, x, dim, index, source, reduce, include_self=True):
     """``index_reduce``: like ``scatter_reduce`` but on whole slices along ``dim``. Without ``include_self`` the
     targeted slices start from the reduction's identity; ``mean`` divides by how many values landed."""
@@ -537,7 +537,7 @@ def _index_reduce(ctx, x, dim, index, source, reduce, include_self=True):
     return builder.reshape(out, ctx.aval_out.shape)
 
 
-@register_lowering(aten.put.default)
+@register_rule(aten.put.default)
 def _put_flat(ctx, x, index, source, accumulate=False):
     """``Tensor.put``: ``x`` seen as a flat vector, updated at ``index`` (negative indices wrap)."""
     shape = builder.shape_of(x)
@@ -550,7 +550,7 @@ def _put_flat(ctx, x, index, source, accumulate=False):
     return builder.reshape(out, shape)
 
 
-@register_lowering(aten.masked_scatter.default)
+@register_rule(aten.masked_scatter.default)
 def _masked_scatter(ctx, x, mask, source):
     """Each True position of ``mask`` (row-major) takes the next element of ``source``: the element whose
     index is the number of True positions before it (a prefix sum), gathered from the flattened source."""
@@ -566,7 +566,7 @@ def _masked_scatter(ctx, x, mask, source):
     return builder.reshape(builder.select(mask, taken, x), shape)
 
 
-@register_lowering(aten.masked_scatter_backward.default)
+@register_rule(aten.masked_scatter_backward.default)
 def _masked_scatter_backward(ctx, grad, mask, sizes):
     """The gradient of ``masked_scatter``'s source: the gradient at the i-th True position goes to source
     element i, the rest of the source gets zeros. Lanes that are False go to a spare slot, then dropped."""
@@ -582,7 +582,7 @@ def _masked_scatter_backward(ctx, grad, mask, sizes):
     return builder.reshape(out, ctx.aval_out.shape)
 
 
-@register_lowering(aten.nonzero_static.default)
+@register_rule(aten.nonzero_static.default)
 def _nonzero_static(ctx, x, *, size, fill_value=-1):
     """The coordinates of the first ``size`` nonzero elements (row-major), rows past the count filled with
     ``fill_value``: row ``rank among nonzeros`` of the result takes each nonzero element's coordinates."""
@@ -602,7 +602,7 @@ def _nonzero_static(ctx, x, *, size, fill_value=-1):
     return builder.slice_static(spare, [0, 0], [size, rank], [1, 1])
 
 
-@register_lowering(aten.narrow_copy.default)
+@register_rule(aten.narrow_copy.default)
 def _narrow_copy(ctx, x, dim, start, length):
     shape = builder.shape_of(x)
     dim %= len(shape)
@@ -612,7 +612,7 @@ def _narrow_copy(ctx, x, dim, start, length):
     return builder.slice_static(x, starts, limits, [1] * len(shape))
 
 
-@register_lowering(aten.unbind_copy.int)
+@register_rule(aten.unbind_copy.int)
 def _unbind_copy(ctx, x, dim=0):
     shape = builder.shape_of(x)
     dim %= len(shape)

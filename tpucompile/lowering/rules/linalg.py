@@ -29,7 +29,7 @@ from jax.extend.mlir.dialects import stablehlo as hlo
 
 from tpucompile.errors import UnsupportedOpError
 from tpucompile.lowering import builder, jax_bridge
-from tpucompile.lowering.registry import register_lowering
+from tpucompile.lowering.registry import register_rule
 from tpucompile.lowering.types import TensorSpec
 
 aten = torch.ops.aten
@@ -90,7 +90,7 @@ def _jax_cholesky_info(a, upper: bool):
     return lax.fori_loop(0, n, step, (matrix, info))[1]
 
 
-@register_lowering(aten.linalg_cholesky_ex.default)
+@register_rule(aten.linalg_cholesky_ex.default)
 def _linalg_cholesky_ex(ctx, a, *, upper=False, check_errors=False):
     if builder.numel(builder.shape_of(a)) == 0:
         return [builder.constant(0, spec.dtype, spec.shape) for spec in ctx.avals_out]
@@ -99,7 +99,7 @@ def _linalg_cholesky_ex(ctx, a, *, upper=False, check_errors=False):
     return _cholesky(a, upper), info
 
 
-@register_lowering(aten.cholesky.default)
+@register_rule(aten.cholesky.default)
 def _cholesky_legacy(ctx, a, upper=False):
     return _cholesky(a, upper)
 
@@ -112,25 +112,25 @@ def _triangular_solve(a: Value, b: Value, *, left: bool, lower: bool, unit: bool
     )
 
 
-@register_lowering(aten.linalg_solve_triangular.default)
+@register_rule(aten.linalg_solve_triangular.default)
 def _linalg_solve_triangular(ctx, a, b, *, upper, left=True, unitriangular=False):
     return _triangular_solve(a, b, left=left, lower=not upper, unit=unitriangular, transpose=False)
 
 
-@register_lowering(aten.triangular_solve.default)
+@register_rule(aten.triangular_solve.default)
 def _legacy_triangular_solve(ctx, b, a, upper=True, transpose=False, unitriangular=False):
     solution = _triangular_solve(a, b, left=True, lower=not upper, unit=unitriangular, transpose=transpose)
     return solution, builder.broadcast_to(a, ctx.avals_out[1].shape)
 
 
-@register_lowering(aten.cholesky_solve.default)
+@register_rule(aten.cholesky_solve.default)
 def _cholesky_solve(ctx, b, factor, upper=False):
     # A = L L^T (or U^T U): solve with the factor, then with its transpose.
     y = _triangular_solve(factor, b, left=True, lower=not upper, unit=False, transpose=upper)
     return _triangular_solve(factor, y, left=True, lower=not upper, unit=False, transpose=not upper)
 
 
-@register_lowering(aten.cholesky_inverse.default)
+@register_rule(aten.cholesky_inverse.default)
 def _cholesky_inverse(ctx, factor, upper=False):
     eye = builder.eye(builder.shape_of(factor), builder.dtype_of(factor))
     return _cholesky_solve(ctx, eye, factor, upper)
@@ -195,7 +195,7 @@ def _empty_matrix_results(ctx, a, fills: tuple[float, ...]):
     return [builder.constant(fill, spec.dtype, spec.shape) for spec, fill in zip(ctx.avals_out, fills, strict=True)]
 
 
-@register_lowering(aten.linalg_inv_ex.default)
+@register_rule(aten.linalg_inv_ex.default)
 def _linalg_inv_ex(ctx, a, *, check_errors=False):
     return _empty_matrix_results(ctx, a, (0, 0)) or jax_bridge.call("linalg_inv_ex", _jax_inv, [a], list(ctx.avals_out))
 
@@ -205,7 +205,7 @@ def _jax_lu_factor(a):
     return lu, pivots, info
 
 
-@register_lowering(aten.linalg_lu_factor_ex.default)
+@register_rule(aten.linalg_lu_factor_ex.default)
 def _linalg_lu_factor_ex(ctx, a, *, pivot=True, check_errors=False):
     if not pivot:
         raise UnsupportedOpError("linalg.lu_factor with pivot=False is not supported (nor by PyTorch on CPU)")
@@ -229,7 +229,7 @@ def _jax_linalg_lu(a):
     return _unpack(lu, permutation, a.dtype)
 
 
-@register_lowering(aten.linalg_lu.default)
+@register_rule(aten.linalg_lu.default)
 def _linalg_lu(ctx, a, *, pivot=True):
     if not pivot:
         raise UnsupportedOpError("linalg.lu with pivot=False is not supported (nor by PyTorch on CPU)")
@@ -240,7 +240,7 @@ def _jax_lu_unpack(lu, pivots):
     return _unpack(lu, _permutation_from_pivots(pivots, lu.shape[-2]), lu.dtype)
 
 
-@register_lowering(aten.lu_unpack.default)
+@register_rule(aten.lu_unpack.default)
 def _lu_unpack(ctx, lu, pivots, unpack_data=True, unpack_pivots=True):
     specs = list(ctx.avals_out)
     m, n = builder.shape_of(lu)[-2:]
@@ -267,7 +267,7 @@ def _jax_lu_solve_op(lu, pivots, b, left: bool, adjoint: bool):
     return jnp.swapaxes(x, -1, -2)
 
 
-@register_lowering(aten.linalg_lu_solve.default)
+@register_rule(aten.linalg_lu_solve.default)
 def _linalg_lu_solve(ctx, lu, pivots, b, *, left=True, adjoint=False):
     spec = ctx.aval_out
     if builder.numel(spec.shape) == 0:
@@ -296,7 +296,7 @@ def _is_vector_rhs(a_shape: Sequence[int], b_shape: Sequence[int]) -> bool:
     return len(b_shape) == 1 or (len(b_shape) == len(a_shape) - 1 and tuple(b_shape) == tuple(a_shape[:-1]))
 
 
-@register_lowering(aten._linalg_solve_ex.default)
+@register_rule(aten._linalg_solve_ex.default)
 def _linalg_solve_ex(ctx, a, b, *, left=True, check_errors=False):
     # The LU is of A, as eager's is (whatever A's layout): the backward graph solves with it through
     # linalg_lu_solve(..., adjoint=True), which gives A^-T only for the LU of A.
@@ -347,7 +347,7 @@ def _factors_transpose(ctx) -> bool:
     return bool(isinstance(meta, torch.Tensor) and meta.is_contiguous())
 
 
-@register_lowering(aten._linalg_det.default)
+@register_rule(aten._linalg_det.default)
 def _linalg_det(ctx, a):
     transposed = _factors_transpose(ctx)
     fn = functools.partial(_jax_det, transposed=transposed)
@@ -355,7 +355,7 @@ def _linalg_det(ctx, a):
     return empty or jax_bridge.call("linalg_det", fn, [a], list(ctx.avals_out), params=(transposed,))
 
 
-@register_lowering(aten._linalg_slogdet.default)
+@register_rule(aten._linalg_slogdet.default)
 def _linalg_slogdet(ctx, a):
     transposed = _factors_transpose(ctx)
     fn = functools.partial(_jax_slogdet, transposed=transposed)
@@ -368,7 +368,7 @@ def _linalg_slogdet(ctx, a):
 _DROPPED_EFFECTS = {aten._linalg_check_errors.default}
 
 
-@register_lowering(torch.ops.higher_order.with_effects)
+@register_rule(torch.ops.higher_order.with_effects)
 def _with_effects(ctx, token, op, *args, **kwargs):
     """``with_effects(token, op, ...)`` wraps ops with side effects. The only ones lowered are checks that
     raise in eager mode (``_linalg_check_errors``); a compiled program cannot raise, so they are dropped and
@@ -378,14 +378,14 @@ def _with_effects(ctx, token, op, *args, **kwargs):
     return [token] + [None] * (len(ctx.avals_out) - 1)
 
 
-@register_lowering(torch.ops.prims._make_token.default)
+@register_rule(torch.ops.prims._make_token.default)
 def _make_token(ctx):
     """The effect token AOTAutograd creates when it unlifts tokens from the graph: an empty tensor."""
     spec = ctx.aval_out
     return builder.constant(0, spec.dtype, spec.shape)
 
 
-@register_lowering(torch.ops.prims._sink_tokens.default)
+@register_rule(torch.ops.prims._sink_tokens.default)
 def _sink_tokens(ctx, tokens):
     return None
 
@@ -471,7 +471,7 @@ def _uses_mm(p: float, mode: int | None, r1: int, r2: int) -> bool:
     return p == 2 and (mode == 1 or (mode in (None, 0) and (r1 > 25 or r2 > 25)))
 
 
-@register_lowering(aten._cdist_forward.default)
+@register_rule(aten._cdist_forward.default)
 def _cdist_forward(ctx, x1, x2, p, compute_mode=None):
     spec = ctx.aval_out
     if 0 in spec.shape or builder.shape_of(x1)[-1] == 0:
@@ -487,7 +487,7 @@ def _cdist_forward(ctx, x1, x2, p, compute_mode=None):
     return builder.convert(result, spec.dtype)
 
 
-@register_lowering(aten._cdist_backward.default)
+@register_rule(aten._cdist_backward.default)
 def _cdist_backward(ctx, grad, x1, x2, p, cdist):
     """The gradient for x1, with the batch dims of the broadcast (as PyTorch's kernel returns it)."""
     spec = ctx.aval_out
@@ -524,7 +524,7 @@ def _take_rows(x: Value, indices: Value) -> Value:
     return hlo.gather(x, indices, numbers, [1, shape[1]])
 
 
-@register_lowering(aten._pdist_forward.default)
+@register_rule(aten._pdist_forward.default)
 def _pdist_forward(ctx, x, p=2.0):
     spec = ctx.aval_out
     n, m = builder.shape_of(x)
@@ -536,7 +536,7 @@ def _pdist_forward(ctx, x, p=2.0):
     return builder.convert(_p_norm(diff, p, [1]), spec.dtype)
 
 
-@register_lowering(aten._pdist_backward.default)
+@register_rule(aten._pdist_backward.default)
 def _pdist_backward(ctx, grad, x, p, pdist):
     spec = ctx.aval_out
     n, m = builder.shape_of(x)
@@ -556,7 +556,7 @@ def _pdist_backward(ctx, grad, x, p, pdist):
     return builder.convert(result, spec.dtype)
 
 
-@register_lowering(aten.dist.default)
+@register_rule(aten.dist.default)
 def _dist(ctx, a, b, p=2):
     spec = ctx.aval_out
     acc = builder.accumulator_dtype(spec.dtype)
@@ -567,7 +567,7 @@ def _dist(ctx, a, b, p=2):
     return builder.convert(builder.reshape(_p_norm(flat, float(p), [0]), spec.shape), spec.dtype)
 
 
-@register_lowering(aten.addbmm.default)
+@register_rule(aten.addbmm.default)
 def _addbmm(ctx, bias, batch1, batch2, *, beta=1, alpha=1):
     """``beta * bias + alpha * sum_b batch1[b] @ batch2[b]``; beta == 0 ignores bias (even NaN)."""
     spec = ctx.aval_out
@@ -606,7 +606,7 @@ def _sum_labels(x: Value, labels: list[int], summed: set[int]):
     return builder.reduce_sum(x, axes), [d for d in labels if d not in summed]
 
 
-@register_lowering(aten._trilinear.default)
+@register_rule(aten._trilinear.default)
 def _trilinear(ctx, i1, i2, i3, expand1, expand2, expand3, sumdim, unroll_dim=1):
     """``(i1 * i2 * i3).sum(sumdim)`` after unsqueezing each input at its ``expand`` dims, as two contractions:
     first i1 with i2 over the summed dims i3 lacks, then with i3 over the rest."""

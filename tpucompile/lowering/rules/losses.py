@@ -19,7 +19,7 @@ from jax.extend.mlir.dialects import stablehlo as hlo
 
 from tpucompile.errors import UnsupportedOpError
 from tpucompile.lowering import builder
-from tpucompile.lowering.registry import register_lowering
+from tpucompile.lowering.registry import register_rule
 
 Value = ir.Value
 
@@ -114,5 +114,5 @@ def _chunked_no_reduction(ctx, x, linear_weight, target, linear_bias, weight, ig
 
 
 if _OPS:
-    register_lowering(_OPS[0])(_chunked)
-    register_lowering(_OPS[1])(_chunked_no_reduction)
+    register_rule(_OPS[0])(_chunked)
+    register_rule(_OPS[1])(_chunked_no_reduction)

@@ -7,7 +7,7 @@ import torch
 from jax.extend.mlir.dialects import stablehlo as hlo
 
 from tpucompile.lowering import builder
-from tpucompile.lowering.registry import register_lowering
+from tpucompile.lowering.registry import register_rule
 
 aten = torch.ops.aten
 
@@ -18,25 +18,25 @@ def _dot(lhs, rhs, contracting, batch, out_dtype):
     return product
 
 
-@register_lowering(aten.mm.default)
+@register_rule(aten.mm.default)
 def _mm(ctx, a, b):
     dtype = ctx.aval_out.dtype
     return builder.convert(_dot(a, b, ((1,), (0,)), ((), ()), dtype), dtype)
 
 
-@register_lowering(aten.bmm.default)
+@register_rule(aten.bmm.default)
 def _bmm(ctx, a, b):
     dtype = ctx.aval_out.dtype
     return builder.convert(_dot(a, b, ((2,), (1,)), ((0,), (0,)), dtype), dtype)
 
 
-@register_lowering(aten.dot.default, aten.vdot.default)
+@register_rule(aten.dot.default, aten.vdot.default)
 def _vector_dot(ctx, a, b):
     dtype = ctx.aval_out.dtype
     return builder.convert(_dot(a, b, ((0,), (0,)), ((), ()), dtype), dtype)
 
 
-@register_lowering(aten.mv.default)
+@register_rule(aten.mv.default)
 def _mv(ctx, a, b):
     dtype = ctx.aval_out.dtype
     return builder.convert(_dot(a, b, ((1,), (0,)), ((), ()), dtype), dtype)
@@ -52,16 +52,16 @@ def _add_bias(ctx, bias, product, beta, alpha):
     return builder.convert(result, ctx.aval_out.dtype)
 
 
-@register_lowering(aten.addmm.default)
+@register_rule(aten.addmm.default)
 def _addmm(ctx, bias, a, b, *, beta=1, alpha=1):
     return _add_bias(ctx, bias, _dot(a, b, ((1,), (0,)), ((), ()), ctx.aval_out.dtype), beta, alpha)
 
 
-@register_lowering(aten.baddbmm.default)
+@register_rule(aten.baddbmm.default)
 def _baddbmm(ctx, bias, a, b, *, beta=1, alpha=1):
     return _add_bias(ctx, bias, _dot(a, b, ((2,), (1,)), ((0,), (0,)), ctx.aval_out.dtype), beta, alpha)
 
 
-@register_lowering(aten.addmv.default)
+@register_rule(aten.addmv.default)
 def _addmv(ctx, bias, a, b, *, beta=1, alpha=1):
     return _add_bias(ctx, bias, _dot(a, b, ((1,), (0,)), ((), ()), ctx.aval_out.dtype), beta, alpha)

@@ -12,7 +12,7 @@ import torch
 from jax.extend.mlir.dialects import stablehlo as hlo
 
 from tpucompile.lowering import builder
-from tpucompile.lowering.registry import register_lowering
+from tpucompile.lowering.registry import register_rule
 
 aten = torch.ops.aten
 
@@ -38,7 +38,7 @@ def _shifted(x, dim):
     return hlo.subtract(x, _reduce_keep(x, dim, hlo.maximum, float("-inf")))
 
 
-@register_lowering(aten._softmax.default)
+@register_rule(aten._softmax.default)
 def _softmax(ctx, x, dim, half_to_float=False):
     def body(x, dim):
         exp = hlo.exponential(_shifted(x, dim))
@@ -47,7 +47,7 @@ def _softmax(ctx, x, dim, half_to_float=False):
     return _over_dim(ctx, x, dim, body)
 
 
-@register_lowering(aten._log_softmax.default)
+@register_rule(aten._log_softmax.default)
 def _log_softmax(ctx, x, dim, half_to_float=False):
     def body(x, dim):
         shifted = _shifted(x, dim)
@@ -56,7 +56,7 @@ def _log_softmax(ctx, x, dim, half_to_float=False):
     return _over_dim(ctx, x, dim, body)
 
 
-@register_lowering(aten.native_layer_norm.default)
+@register_rule(aten.native_layer_norm.default)
 def _native_layer_norm(ctx, x, normalized_shape, weight, bias, eps):
     """Returns (output, mean, rstd) with mean/rstd shaped like x with the normalised dims kept as 1."""
     out_dtype = ctx.avals_out[0].dtype
@@ -90,7 +90,7 @@ def _native_layer_norm(ctx, x, normalized_shape, weight, bias, eps):
     )
 
 
-@register_lowering(aten._softmax_backward_data.default)
+@register_rule(aten._softmax_backward_data.default)
 def _softmax_backward_data(ctx, grad, output, dim, input_dtype):
     """``output * (grad - sum(grad * output))`` along ``dim``, in f32 for low-precision inputs."""
     compute = builder.accumulator_dtype(ctx.aval_out.dtype)
@@ -104,7 +104,7 @@ def _softmax_backward_data(ctx, grad, output, dim, input_dtype):
     return _over_dim(ctx, grad, dim, body)
 
 
-@register_lowering(aten._log_softmax_backward_data.default)
+@register_rule(aten._log_softmax_backward_data.default)
 def _log_softmax_backward_data(ctx, grad, output, dim, input_dtype):
     """``grad - exp(output) * sum(grad)`` along ``dim``, in f32 for low-precision inputs."""
     compute = builder.accumulator_dtype(ctx.aval_out.dtype)
@@ -118,7 +118,7 @@ def _log_softmax_backward_data(ctx, grad, output, dim, input_dtype):
     return _over_dim(ctx, grad, dim, body)
 
 
-@register_lowering(aten._weight_norm_interface_backward.default)
+@register_rule(aten._weight_norm_interface_backward.default)
 def _weight_norm_interface_backward(ctx, grad_w, v, g, norm, dim):
     """The gradient of ``w = v * (g / norm)``, ``norm`` being ``||v||`` over every dim but ``dim``:
     ``grad_g = sum(grad_w * v) / norm`` and ``grad_v = (g / norm) * (grad_w - v * grad_g / norm)``, sums over

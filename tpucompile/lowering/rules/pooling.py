@@ -33,7 +33,7 @@ from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import stablehlo as hlo
 
 from tpucompile.lowering import builder
-from tpucompile.lowering.registry import register_lowering
+from tpucompile.lowering.registry import register_rule
 from tpucompile.lowering.types import tensor_type
 
 aten = torch.ops.aten
@@ -187,7 +187,7 @@ def _max_pool(x, out_shape, kernel, stride, padding, dilation):
     return _argmax_window(x, out_shape, kernel, stride, pads, dilation)
 
 
-@register_lowering(aten.max_pool2d_with_indices.default, aten.max_pool3d_with_indices.default)
+@register_rule(aten.max_pool2d_with_indices.default, aten.max_pool3d_with_indices.default)
 def _max_pool_with_indices(ctx, x, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=False):
     nd = 2 if ctx.node.target is aten.max_pool2d_with_indices.default else 3
     kernel = builder.per_dim(kernel_size, nd)
@@ -220,7 +220,7 @@ def _scatter_to_indices(ctx, grad: Value, indices: Value, nd: int) -> Value:
     return builder.convert(builder.reshape(result, in_shape), dtype)
 
 
-@register_lowering(aten.max_pool2d_with_indices_backward.default, aten.max_pool3d_with_indices_backward.default)
+@register_rule(aten.max_pool2d_with_indices_backward.default, aten.max_pool3d_with_indices_backward.default)
 def _max_pool_with_indices_backward(ctx, grad, x, kernel_size, stride, padding, dilation, ceil_mode, indices):
     nd = 2 if ctx.node.target is aten.max_pool2d_with_indices_backward.default else 3
     return _scatter_to_indices(ctx, grad, indices, nd)
@@ -302,7 +302,7 @@ def _avg_nd(target) -> int:
     return 2 if target in (aten.avg_pool2d.default, aten.avg_pool2d_backward.default) else 3
 
 
-@register_lowering(aten.avg_pool2d.default, aten.avg_pool3d.default)
+@register_rule(aten.avg_pool2d.default, aten.avg_pool3d.default)
 def _avg_pool_rule(
     ctx, x, kernel_size, stride=(), padding=0, ceil_mode=False, count_include_pad=True, divisor_override=None
 ):
@@ -314,7 +314,7 @@ def _avg_pool_rule(
     )
 
 
-@register_lowering(aten.avg_pool2d_backward.default, aten.avg_pool3d_backward.default)
+@register_rule(aten.avg_pool2d_backward.default, aten.avg_pool3d_backward.default)
 def _avg_pool_backward_rule(
     ctx, grad, x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override
 ):
@@ -364,7 +364,7 @@ def _adaptive_nd(target) -> int:
     return 2 if target in two else 3
 
 
-@register_lowering(aten._adaptive_avg_pool2d.default, aten._adaptive_avg_pool3d.default)
+@register_rule(aten._adaptive_avg_pool2d.default, aten._adaptive_avg_pool3d.default)
 def _adaptive_avg_pool(ctx, x, output_size):
     nd = _adaptive_nd(ctx.node.target)
     out_shape, dtype = ctx.aval_out.shape, ctx.aval_out.dtype
@@ -379,7 +379,7 @@ def _adaptive_avg_pool(ctx, x, output_size):
     return builder.convert(hlo.divide(total, _adaptive_counts(in_shape, out_shape, nd, acc)), dtype)
 
 
-@register_lowering(aten._adaptive_avg_pool2d_backward.default, aten._adaptive_avg_pool3d_backward.default)
+@register_rule(aten._adaptive_avg_pool2d_backward.default, aten._adaptive_avg_pool3d_backward.default)
 def _adaptive_avg_pool_backward(ctx, grad, x):
     nd = _adaptive_nd(ctx.node.target)
     in_shape, dtype = ctx.aval_out.shape, ctx.aval_out.dtype
@@ -437,7 +437,7 @@ def _adaptive_max(x: Value, out_shape: Sequence[int], nd: int) -> list[Value]:
     )
 
 
-@register_lowering(aten.adaptive_max_pool2d.default, aten.adaptive_max_pool3d.default)
+@register_rule(aten.adaptive_max_pool2d.default, aten.adaptive_max_pool3d.default)
 def _adaptive_max_pool(ctx, x, output_size):
     nd = _adaptive_nd(ctx.node.target)
     out_shape = ctx.aval_out.shape
@@ -447,6 +447,6 @@ def _adaptive_max_pool(ctx, x, output_size):
     return _adaptive_max(x, out_shape, nd)
 
 
-@register_lowering(aten.adaptive_max_pool2d_backward.default, aten.adaptive_max_pool3d_backward.default)
+@register_rule(aten.adaptive_max_pool2d_backward.default, aten.adaptive_max_pool3d_backward.default)
 def _adaptive_max_pool_backward(ctx, grad, x, indices):
     return _scatter_to_indices(ctx, grad, indices, _adaptive_nd(ctx.node.target))

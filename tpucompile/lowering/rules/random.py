@@ -15,7 +15,7 @@ from jax.extend.mlir.dialects import stablehlo as hlo
 
 from tpucompile.errors import UnsupportedOpError
 from tpucompile.lowering import builder
-from tpucompile.lowering.registry import register_lowering
+from tpucompile.lowering.registry import register_rule
 from tpucompile.lowering.types import tensor_type
 
 aten = torch.ops.aten
@@ -67,19 +67,19 @@ def normal(ctx, shape: Sequence[int], dtype: torch.dtype) -> ir.Value:
     return builder.convert(value, dtype)
 
 
-@register_lowering(aten.rand.default, aten.rand_like.default, random=True)
+@register_rule(aten.rand.default, aten.rand_like.default, random=True)
 def _rand(ctx, *args, **kwargs):
     _check_generator(kwargs)
     return uniform(ctx, ctx.aval_out.shape, ctx.aval_out.dtype)
 
 
-@register_lowering(aten.randn.default, aten.randn_like.default, random=True)
+@register_rule(aten.randn.default, aten.randn_like.default, random=True)
 def _randn(ctx, *args, **kwargs):
     _check_generator(kwargs)
     return normal(ctx, ctx.aval_out.shape, ctx.aval_out.dtype)
 
 
-@register_lowering(aten.uniform.default, random=True)
+@register_rule(aten.uniform.default, random=True)
 def _uniform(ctx, x, low=0.0, high=1.0, **kwargs):
     _check_generator(kwargs)
     spec = ctx.aval_out
@@ -88,7 +88,7 @@ def _uniform(ctx, x, low=0.0, high=1.0, **kwargs):
     return hlo.add(hlo.multiply(u, scale), builder.constant(low, spec.dtype, spec.shape))
 
 
-@register_lowering(aten.normal_functional.default, random=True)
+@register_rule(aten.normal_functional.default, random=True)
 def _normal_functional(ctx, x, mean=0.0, std=1.0, **kwargs):
     _check_generator(kwargs)
     spec = ctx.aval_out
@@ -111,31 +111,31 @@ def _randint(ctx, low: int, high: int):
     return builder.convert(value, spec.dtype)
 
 
-@register_lowering(aten.randint.default, random=True)
+@register_rule(aten.randint.default, random=True)
 def _randint_high(ctx, high, size, **kwargs):
     _check_generator(kwargs)
     return _randint(ctx, 0, high)
 
 
-@register_lowering(aten.randint.low, random=True)
+@register_rule(aten.randint.low, random=True)
 def _randint_low(ctx, low, high, size, **kwargs):
     _check_generator(kwargs)
     return _randint(ctx, low, high)
 
 
-@register_lowering(aten.randint_like.default, random=True)
+@register_rule(aten.randint_like.default, random=True)
 def _randint_like_high(ctx, x, high, **kwargs):
     _check_generator(kwargs)
     return _randint(ctx, 0, high)
 
 
-@register_lowering(aten.randint_like.low_dtype, random=True)
+@register_rule(aten.randint_like.low_dtype, random=True)
 def _randint_like_low(ctx, x, low, high, **kwargs):
     _check_generator(kwargs)
     return _randint(ctx, low, high)
 
 
-@register_lowering(aten.bernoulli.default, random=True)
+@register_rule(aten.bernoulli.default, random=True)
 def _bernoulli(ctx, probabilities, **kwargs):
     """1 where a uniform draw falls below the input's probability."""
     _check_generator(kwargs)
@@ -146,7 +146,7 @@ def _bernoulli(ctx, probabilities, **kwargs):
     return builder.convert(hit, spec.dtype)
 
 
-@register_lowering(aten.bernoulli.p, random=True)
+@register_rule(aten.bernoulli.p, random=True)
 def _bernoulli_p(ctx, x, p=0.5, **kwargs):
     _check_generator(kwargs)
     spec = ctx.aval_out

@@ -12,7 +12,7 @@ from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import stablehlo as hlo
 
 from tpucompile.lowering import builder
-from tpucompile.lowering.registry import register_lowering
+from tpucompile.lowering.registry import register_rule
 
 aten = torch.ops.aten
 
@@ -31,7 +31,7 @@ def _keep(ctx, value):
     return builder.reshape(value, ctx.aval_out.shape)
 
 
-@register_lowering(aten.sum.dim_IntList, aten.sum.default)
+@register_rule(aten.sum.dim_IntList, aten.sum.default)
 def _sum(ctx, x, dim=None, keepdim=False, *, dtype=None):
     out = ctx.aval_out.dtype
     x = builder.convert(x, builder.accumulator_dtype(out))
@@ -69,7 +69,7 @@ def _divided(total: ir.Value, count: int | ir.Value, correction: float = 0) -> i
     return hlo.divide(total, builder.broadcast_to(divisor, shape))
 
 
-@register_lowering(aten.mean.dim, aten.mean.default)
+@register_rule(aten.mean.dim, aten.mean.default)
 def _mean(ctx, x, dim=None, keepdim=False, *, dtype=None):
     out = ctx.aval_out.dtype
     dims = _dims(x, dim)
@@ -78,7 +78,7 @@ def _mean(ctx, x, dim=None, keepdim=False, *, dtype=None):
     return _keep(ctx, builder.convert(_divided(builder.reduce_sum(x, dims), count), out))
 
 
-@register_lowering(aten.prod.default, aten.prod.dim_int)
+@register_rule(aten.prod.default, aten.prod.dim_int)
 def _prod(ctx, x, dim=None, keepdim=False, *, dtype=None):
     out = ctx.aval_out.dtype
     x = builder.convert(x, builder.accumulator_dtype(out))
@@ -88,23 +88,23 @@ def _prod(ctx, x, dim=None, keepdim=False, *, dtype=None):
     return _keep(ctx, builder.convert(result, out))
 
 
-@register_lowering(aten.amax.default, aten.max.default)
+@register_rule(aten.amax.default, aten.max.default)
 def _amax(ctx, x, dim=None, keepdim=False):
     return _keep(ctx, builder.reduce_max(x, _dims(x, dim)))
 
 
-@register_lowering(aten.amin.default, aten.min.default)
+@register_rule(aten.amin.default, aten.min.default)
 def _amin(ctx, x, dim=None, keepdim=False):
     return _keep(ctx, builder.reduce_min(x, _dims(x, dim)))
 
 
-@register_lowering(aten.any.default, aten.any.dim, aten.any.dims)
+@register_rule(aten.any.default, aten.any.dim, aten.any.dims)
 def _any(ctx, x, dim=None, keepdim=False):
     x = builder.convert(x, torch.bool)
     return _keep(ctx, builder.convert(builder.reduce_max(x, _dims(x, dim)), ctx.aval_out.dtype))
 
 
-@register_lowering(aten.all.default, aten.all.dim, aten.all.dims)
+@register_rule(aten.all.default, aten.all.dim, aten.all.dims)
 def _all(ctx, x, dim=None, keepdim=False):
     x = builder.convert(x, torch.bool)
     return _keep(ctx, builder.convert(builder.reduce_min(x, _dims(x, dim)), ctx.aval_out.dtype))
@@ -133,14 +133,14 @@ def arg_extreme(x: ir.Value, dim: int, is_max: bool) -> list[ir.Value]:
     return builder.reduce([x, indices], [init_value, init_index], [dim], body)
 
 
-@register_lowering(aten.argmax.default)
+@register_rule(aten.argmax.default)
 def _argmax(ctx, x, dim=None, keepdim=False):
     if dim is None or builder.rank_of(x) == 0:  # over all elements (a 0-d tensor is one element)
         x, dim = builder.reshape(x, (math.prod(builder.shape_of(x)),)), 0
     return _keep(ctx, arg_extreme(x, dim % max(builder.rank_of(x), 1), True)[1])
 
 
-@register_lowering(aten.argmin.default)
+@register_rule(aten.argmin.default)
 def _argmin(ctx, x, dim=None, keepdim=False):
     if dim is None or builder.rank_of(x) == 0:  # over all elements (a 0-d tensor is one element)
         x, dim = builder.reshape(x, (math.prod(builder.shape_of(x)),)), 0
@@ -154,12 +154,12 @@ def _values_and_indices(ctx, x, dim, is_max):
     return (builder.reshape(values, ctx.avals_out[0].shape), builder.reshape(indices, ctx.avals_out[1].shape))
 
 
-@register_lowering(aten.max.dim)
+@register_rule(aten.max.dim)
 def _max_dim(ctx, x, dim, keepdim=False):
     return _values_and_indices(ctx, x, dim, True)
 
 
-@register_lowering(aten.min.dim)
+@register_rule(aten.min.dim)
 def _min_dim(ctx, x, dim, keepdim=False):
     return _values_and_indices(ctx, x, dim, False)
 
@@ -180,7 +180,7 @@ def _correction(correction, unbiased=None):
     return 1 if unbiased is None or unbiased else 0
 
 
-@register_lowering(aten.var.correction)
+@register_rule(aten.var.correction)
 def _var(ctx, x, dim=None, *, correction=None, keepdim=False):
     out = ctx.aval_out.dtype
     x = builder.convert(x, builder.accumulator_dtype(out))
@@ -188,7 +188,7 @@ def _var(ctx, x, dim=None, *, correction=None, keepdim=False):
     return _keep(ctx, builder.convert(var, out))
 
 
-@register_lowering(aten.std.correction)
+@register_rule(aten.std.correction)
 def _std(ctx, x, dim=None, *, correction=None, keepdim=False):
     out = ctx.aval_out.dtype
     x = builder.convert(x, builder.accumulator_dtype(out))
@@ -196,7 +196,7 @@ def _std(ctx, x, dim=None, *, correction=None, keepdim=False):
     return _keep(ctx, builder.convert(hlo.sqrt(var), out))
 
 
-@register_lowering(aten.var_mean.correction)
+@register_rule(aten.var_mean.correction)
 def _var_mean(ctx, x, dim=None, *, correction=None, keepdim=False):
     out = ctx.avals_out[0].dtype
     x = builder.convert(x, builder.accumulator_dtype(out))
@@ -230,17 +230,17 @@ def _cumulative(ctx, x, dim, combine, identity):
     return builder.convert(_scan(x, dim % builder.rank_of(x), combine, identity), out)
 
 
-@register_lowering(aten.cumsum.default)
+@register_rule(aten.cumsum.default)
 def _cumsum(ctx, x, dim, *, dtype=None):
     return _cumulative(ctx, x, dim, hlo.add, 0)
 
 
-@register_lowering(aten.cumprod.default)
+@register_rule(aten.cumprod.default)
 def _cumprod(ctx, x, dim, *, dtype=None):
     return _cumulative(ctx, x, dim, hlo.multiply, 1)
 
 
-@register_lowering(aten.logcumsumexp.default)
+@register_rule(aten.logcumsumexp.default)
 def _logcumsumexp(ctx, x, dim):
     def log_add_exp(a, b):
         # log(exp(a) + exp(b)) = max + log1p(exp(min - max)). Equal operands skip the subtraction, so
@@ -253,7 +253,7 @@ def _logcumsumexp(ctx, x, dim):
     return _cumulative(ctx, x, dim, log_add_exp, float("-inf"))
 
 
-@register_lowering(aten.linalg_vector_norm.default)
+@register_rule(aten.linalg_vector_norm.default)
 def _vector_norm(ctx, x, ord=2, dim=None, keepdim=False, *, dtype=None):
     out = ctx.aval_out.dtype
     x = builder.convert(x, builder.accumulator_dtype(out))

@@ -23,7 +23,7 @@ from jax.extend.mlir.dialects import stablehlo as hlo
 
 from tpucompile.contracts.resize_scale import source_scale
 from tpucompile.lowering import builder
-from tpucompile.lowering.registry import register_lowering
+from tpucompile.lowering.registry import register_rule
 
 aten = torch.ops.aten
 Value = ir.Value
@@ -69,7 +69,7 @@ def _sum_keepdim(x: Value, dim: int) -> Value:
     return builder.reshape(total, shape)
 
 
-@register_lowering(
+@register_rule(
     aten.replication_pad1d_backward.default,
     aten.replication_pad2d_backward.default,
     aten.replication_pad3d_backward.default,
@@ -143,7 +143,7 @@ def _antialias_matrices(target, in_sizes: Sequence[int], out_sizes: Sequence[int
     ]
 
 
-@register_lowering(aten._upsample_bilinear2d_aa.default, aten._upsample_bicubic2d_aa.default)
+@register_rule(aten._upsample_bilinear2d_aa.default, aten._upsample_bicubic2d_aa.default)
 def _upsample_aa(ctx, x, output_size, align_corners, scales_h=None, scales_w=None):
     dtype = ctx.aval_out.dtype
     in_sizes = builder.shape_of(x)[-2:]
@@ -153,7 +153,7 @@ def _upsample_aa(ctx, x, output_size, align_corners, scales_h=None, scales_w=Non
     return builder.convert(result, dtype)
 
 
-@register_lowering(aten._upsample_bilinear2d_aa_backward.default, aten._upsample_bicubic2d_aa_backward.default)
+@register_rule(aten._upsample_bilinear2d_aa_backward.default, aten._upsample_bicubic2d_aa_backward.default)
 def _upsample_aa_backward(ctx, grad, output_size, input_size, align_corners, scales_h=None, scales_w=None):
     dtype = ctx.aval_out.dtype
     matrices = _antialias_matrices(ctx.node.target, ctx.aval_out.shape[-2:], builder.shape_of(grad)[-2:],

@@ -17,7 +17,7 @@ from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import stablehlo as hlo
 
 from tpucompile.lowering import builder
-from tpucompile.lowering.registry import register_lowering
+from tpucompile.lowering.registry import register_rule
 
 aten = torch.ops.aten
 Value = ir.Value
@@ -55,11 +55,11 @@ def _extreme_rule(ctx, x, dim, is_max):
     return _cumulative_extreme(x, dim % builder.rank_of(x), is_max)
 
 
-@register_lowering(aten.cummax.default)
+@register_rule(aten.cummax.default)
 def _cummax(ctx, x, dim):
     return _extreme_rule(ctx, x, dim, True)
 
 
-@register_lowering(aten.cummin.default)
+@register_rule(aten.cummin.default)
 def _cummin(ctx, x, dim):
     return _extreme_rule(ctx, x, dim, False)

@@ -20,7 +20,7 @@ from jax.extend.mlir.dialects import stablehlo as hlo
 
 from tpucompile.errors import UnsupportedOpError
 from tpucompile.lowering import builder
-from tpucompile.lowering.registry import register_lowering
+from tpucompile.lowering.registry import register_rule
 
 aten = torch.ops.aten
 Value = ir.Value
@@ -78,7 +78,7 @@ def _as_operand(value, dtype: torch.dtype) -> Value:
     return builder.constant(value, dtype, ())
 
 
-@register_lowering(aten.searchsorted.Tensor, aten.searchsorted.Scalar)
+@register_rule(aten.searchsorted.Tensor, aten.searchsorted.Scalar)
 def _searchsorted(ctx, seq, values, *, out_int32=False, right=False, side=None, sorter=None):
     right = side == "right" if side is not None else right
     dtype = _common_dtype(ctx.operand_metas[0], values)
@@ -88,7 +88,7 @@ def _searchsorted(ctx, seq, values, *, out_int32=False, right=False, side=None, 
     return builder.convert(search_sorted(seq, values, right), ctx.aval_out.dtype)
 
 
-@register_lowering(aten.bucketize.Tensor, aten.bucketize.Scalar)
+@register_rule(aten.bucketize.Tensor, aten.bucketize.Scalar)
 def _bucketize(ctx, values, boundaries, *, out_int32=False, right=False):
     dtype = _common_dtype(ctx.operand_metas[1], values)
     boundaries, values = builder.convert(boundaries, dtype), _as_operand(values, dtype)
@@ -258,7 +258,7 @@ def _linear_edges(points: Value, bins: Sequence[int], bounds: Sequence[float] | 
     return edges
 
 
-@register_lowering(aten.histc.default)
+@register_rule(aten.histc.default)
 def _histc(ctx, x, bins=100, min=0, max=0):
     dtype = builder.dtype_of(x)
     size = builder.numel(builder.shape_of(x))
@@ -273,7 +273,7 @@ def _histc(ctx, x, bins=100, min=0, max=0):
     return _histogram(builder.reshape(column, (size, 1)), [axis], None, False, dtype)
 
 
-@register_lowering(aten.histogram.bin_ct)
+@register_rule(aten.histogram.bin_ct)
 def _histogram_bin_ct(ctx, x, bins=100, *, range=None, weight=None, density=False):
     points = builder.reshape(x, (builder.numel(builder.shape_of(x)), 1))
     (edges,) = _linear_edges(points, [bins], range)
@@ -281,26 +281,26 @@ def _histogram_bin_ct(ctx, x, bins=100, *, range=None, weight=None, density=Fals
     return hist, edges
 
 
-@register_lowering(aten.histogram.bins_tensor)
+@register_rule(aten.histogram.bins_tensor)
 def _histogram_bins_tensor(ctx, x, bins, *, weight=None, density=False):
     points = builder.reshape(x, (builder.numel(builder.shape_of(x)), 1))
     hist = _histogram(points, [_Axis(bins, linear=False)], weight, density, builder.dtype_of(x))
     return hist, bins
 
 
-@register_lowering(aten._histogramdd_bin_edges.default)
+@register_rule(aten._histogramdd_bin_edges.default)
 def _histogramdd_bin_edges(ctx, x, bins, *, range=None, weight=None, density=False):
     return _linear_edges(_points(x), bins, range)
 
 
-@register_lowering(aten._histogramdd_from_bin_cts.default)
+@register_rule(aten._histogramdd_from_bin_cts.default)
 def _histogramdd_from_bin_cts(ctx, x, bins, *, range=None, weight=None, density=False):
     points = _points(x)
     axes = [_Axis(e, linear=True) for e in _linear_edges(points, bins, range)]
     return _histogram(points, axes, weight, density, builder.dtype_of(x))
 
 
-@register_lowering(aten._histogramdd_from_bin_tensors.default)
+@register_rule(aten._histogramdd_from_bin_tensors.default)
 def _histogramdd_from_bin_tensors(ctx, x, bins, *, weight=None, density=False):
     axes = [_Axis(e, linear=False) for e in bins]
     return _histogram(_points(x), axes, weight, density, builder.dtype_of(x))
@@ -399,7 +399,7 @@ def _segment_combiner(reduce: str):
     raise UnsupportedOpError(f"segment_reduce with reduce={reduce!r} is not supported")
 
 
-@register_lowering(aten.segment_reduce.default)
+@register_rule(aten.segment_reduce.default)
 def _segment_reduce(ctx, data, reduce, *, lengths=None, indices=None, offsets=None, axis=0, unsafe=False,
                     initial=None):
     shape, dtype = builder.shape_of(data), builder.dtype_of(data)
@@ -423,7 +423,7 @@ def _segment_reduce(ctx, data, reduce, *, lengths=None, indices=None, offsets=No
     return builder.reshape(out, ctx.aval_out.shape)
 
 
-@register_lowering(aten._segment_reduce_backward.default)
+@register_rule(aten._segment_reduce_backward.default)
 def _segment_reduce_backward(ctx, grad, output, data, reduce, *, lengths=None, offsets=None, axis=0,
                              initial=None):
     """The gradient of ``segment_reduce`` as eager computes it: sum and mean spread the segment's gradient,

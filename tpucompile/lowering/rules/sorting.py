@@ -18,7 +18,7 @@ from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import stablehlo as hlo
 
 from tpucompile.lowering import builder, dynamic_sizes
-from tpucompile.lowering.registry import register_lowering
+from tpucompile.lowering.registry import register_rule
 from tpucompile.lowering.types import tensor_type
 
 aten = torch.ops.aten
@@ -72,12 +72,12 @@ def _gather_along(x: Value, dim: int, position: Value) -> Value:
     return builder.reshape(total, kept)
 
 
-@register_lowering(aten.sort.default)
+@register_rule(aten.sort.default)
 def _sort(ctx, x, dim=-1, descending=False):
     return _sort_rule(ctx, x, dim, descending)
 
 
-@register_lowering(aten.sort.stable)
+@register_rule(aten.sort.stable)
 def _sort_stable(ctx, x, *, stable=None, dim=-1, descending=False):
     return _sort_rule(ctx, x, dim, descending)
 
@@ -115,7 +115,7 @@ instead of sorting the rows: XLA's CPU sort runs its comparator per element pair
 than ``k`` fused reductions for a small ``k`` (a mixture-of-experts router's top 2)."""
 
 
-@register_lowering(aten.topk.default)
+@register_rule(aten.topk.default)
 def _topk(ctx, x, k, dim=-1, largest=True, sorted=True):
     x = builder.at_least_1d(x)
     dim %= builder.rank_of(x)
@@ -178,7 +178,7 @@ def _out_shapes(ctx) -> list[tuple[int, ...]]:
     return [spec.shape for spec in ctx.avals_out]
 
 
-@register_lowering(aten.kthvalue.default)
+@register_rule(aten.kthvalue.default)
 def _kthvalue(ctx, x, k, dim=-1, keepdim=False):
     return _select_sorted(x, dim, k - 1, _out_shapes(ctx))
 
@@ -224,27 +224,27 @@ def _flat(x: Value) -> Value:
     return builder.reshape(x, (max(1, math.prod(builder.shape_of(x))),))
 
 
-@register_lowering(aten.median.dim)
+@register_rule(aten.median.dim)
 def _median_dim(ctx, x, dim, keepdim=False):
     return _median(x, dim, _out_shapes(ctx))
 
 
-@register_lowering(aten.median.default)
+@register_rule(aten.median.default)
 def _median_all(ctx, x):
     return _median(_flat(x), 0, [(), ()])[0]
 
 
-@register_lowering(aten.nanmedian.dim)
+@register_rule(aten.nanmedian.dim)
 def _nanmedian_dim(ctx, x, dim, keepdim=False):
     return _nanmedian(x, dim, _out_shapes(ctx))
 
 
-@register_lowering(aten.nanmedian.default)
+@register_rule(aten.nanmedian.default)
 def _nanmedian_all(ctx, x):
     return _nanmedian(_flat(x), 0, [(), ()])[0]
 
 
-@register_lowering(aten.mode.default)
+@register_rule(aten.mode.default)
 def _mode(ctx, x, dim=-1, keepdim=False):
     """The most frequent value along ``dim`` (the smallest among equally frequent ones) and the last index
     where it occurs, as PyTorch's CPU kernel gives. Counting is an n-by-n comparison per row, fine for the row

@@ -49,7 +49,7 @@ import torch
 
 from tpucompile.lowering import builder, jax_bridge
 from tpucompile.lowering.registry import PromotionKind as K
-from tpucompile.lowering.registry import register_lowering
+from tpucompile.lowering.registry import register_rule
 from tpucompile.lowering.types import TensorSpec
 
 aten = torch.ops.aten
@@ -706,11 +706,11 @@ def _call(name, fn, operands, params=()):
 
 
 def _unary(name, fn, *ops):
-    register_lowering(*ops, promote=K.INT_TO_FLOAT)(lambda ctx, x: _call(name, fn, [x]))
+    register_rule(*ops, promote=K.INT_TO_FLOAT)(lambda ctx, x: _call(name, fn, [x]))
 
 
 def _binary(name, fn, *ops):
-    register_lowering(*ops, promote=K.INT_TO_FLOAT)(lambda ctx, a, b: _call(name, fn, [a, b]))
+    register_rule(*ops, promote=K.INT_TO_FLOAT)(lambda ctx, a, b: _call(name, fn, [a, b]))
 
 
 _unary("i0", _jax_i0, aten.i0.default, aten.special_modified_bessel_i0.default)
@@ -745,6 +745,6 @@ for _kind, _op in (("h", "hermite_polynomial_h"), ("he", "hermite_polynomial_he"
             _packet.default, _packet.x_scalar, _packet.n_scalar)
 
 
-@register_lowering(aten.polygamma.default, promote=K.INT_TO_FLOAT, operands=(1,))
+@register_rule(aten.polygamma.default, promote=K.INT_TO_FLOAT, operands=(1,))
 def _polygamma(ctx, n, x):
     return _call(f"polygamma_{n}", functools.partial(_jax_polygamma, int(n)), [x], params=(int(n),))

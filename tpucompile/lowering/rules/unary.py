@@ -14,14 +14,14 @@ from jax.extend.mlir.dialects import stablehlo as hlo
 
 from tpucompile.lowering import builder
 from tpucompile.lowering.registry import PromotionKind as K
-from tpucompile.lowering.registry import register_lowering
+from tpucompile.lowering.registry import register_rule
 from tpucompile.lowering.types import tensor_type
 
 aten = torch.ops.aten
 
 
 def _unary(op, *overloads, promote=K.INT_TO_FLOAT):
-    register_lowering(*overloads, promote=promote)(lambda ctx, x: op(x))
+    register_rule(*overloads, promote=promote)(lambda ctx, x: op(x))
 
 
 _unary(hlo.exponential, aten.exp.default)
@@ -67,7 +67,7 @@ _unary(builder.trunc, aten.trunc.default, promote=K.DEFAULT)
 _unary(lambda x: x, aten.positive.default, promote=K.DEFAULT)
 
 
-@register_lowering(aten.round.decimals, promote=K.DEFAULT)
+@register_rule(aten.round.decimals, promote=K.DEFAULT)
 def _round_decimals(ctx, x, decimals=0):
     """As PyTorch: ``rint(x * 10^d) / 10^d``, or ``rint(x / 10^-d) * 10^-d`` for negative ``d``."""
     if not builder.dtype_of(x).is_floating_point:
@@ -78,7 +78,7 @@ def _round_decimals(ctx, x, decimals=0):
     return hlo.divide(hlo.round_nearest_even(hlo.multiply(x, scale)), scale)
 
 
-@register_lowering(aten.sign.default, aten.sgn.default, promote=K.DEFAULT)
+@register_rule(aten.sign.default, aten.sgn.default, promote=K.DEFAULT)
 def _sign(ctx, x):
     dtype = builder.dtype_of(x)
     if dtype is torch.bool:
@@ -92,7 +92,7 @@ def _sign(ctx, x):
     return hlo.subtract(positive, negative)
 
 
-@register_lowering(aten.signbit.default, promote=K.ALWAYS_BOOL)
+@register_rule(aten.signbit.default, promote=K.ALWAYS_BOOL)
 def _signbit(ctx, x):
     dtype = builder.dtype_of(x)
     if not dtype.is_floating_point:
@@ -103,35 +103,35 @@ def _signbit(ctx, x):
     return builder.compare(as_int, builder.constant(0, bits, builder.shape_of(x)), "LT")
 
 
-@register_lowering(aten.isnan.default, promote=K.ALWAYS_BOOL)
+@register_rule(aten.isnan.default, promote=K.ALWAYS_BOOL)
 def _isnan(ctx, x):
     if not builder.dtype_of(x).is_floating_point:
         return builder.constant(False, torch.bool, builder.shape_of(x))
     return builder.is_nan(x)
 
 
-@register_lowering(aten.isinf.default, promote=K.ALWAYS_BOOL)
+@register_rule(aten.isinf.default, promote=K.ALWAYS_BOOL)
 def _isinf(ctx, x):
     if not builder.dtype_of(x).is_floating_point:
         return builder.constant(False, torch.bool, builder.shape_of(x))
     return builder.compare(hlo.abs(x), builder.constant_like(float("inf"), x), "EQ")
 
 
-@register_lowering(aten.isfinite.default, promote=K.ALWAYS_BOOL)
+@register_rule(aten.isfinite.default, promote=K.ALWAYS_BOOL)
 def _isfinite(ctx, x):
     if not builder.dtype_of(x).is_floating_point:
         return builder.constant(True, torch.bool, builder.shape_of(x))
     return hlo.is_finite(x)
 
 
-@register_lowering(aten.relu.default, promote=K.DEFAULT)
+@register_rule(aten.relu.default, promote=K.DEFAULT)
 def _relu(ctx, x):
     if builder.dtype_of(x) is torch.bool:
         return x
     return hlo.maximum(x, builder.constant_like(0, x))
 
 
-@register_lowering(aten.gelu.default, promote=K.DEFAULT)
+@register_rule(aten.gelu.default, promote=K.DEFAULT)
 def _gelu(ctx, x, approximate="none"):
     half = builder.constant_like(0.5, x)
     one = builder.constant_like(1.0, x)
@@ -146,12 +146,12 @@ def _gelu(ctx, x, approximate="none"):
     return hlo.multiply(x, cdf)
 
 
-@register_lowering(aten.silu.default, promote=K.DEFAULT)
+@register_rule(aten.silu.default, promote=K.DEFAULT)
 def _silu(ctx, x):
     return hlo.multiply(x, hlo.logistic(x))
 
 
-@register_lowering(aten.nan_to_num.default, promote=K.DEFAULT)
+@register_rule(aten.nan_to_num.default, promote=K.DEFAULT)
 def _nan_to_num(ctx, x, nan=None, posinf=None, neginf=None):
     dtype = builder.dtype_of(x)
     if not dtype.is_floating_point:
@@ -164,19 +164,19 @@ def _nan_to_num(ctx, x, nan=None, posinf=None, neginf=None):
                           builder.constant_like(info.min if neginf is None else neginf, x), x)
 
 
-@register_lowering(aten.leaky_relu.default, promote=K.DEFAULT, operands=(0,))
+@register_rule(aten.leaky_relu.default, promote=K.DEFAULT, operands=(0,))
 def _leaky_relu(ctx, x, negative_slope=0.01):
     positive = builder.compare(x, builder.constant_like(0, x), "GT")
     return builder.select(positive, x, hlo.multiply(x, builder.constant_like(negative_slope, x)))
 
 
-@register_lowering(aten.hardtanh.default, promote=K.DEFAULT, operands=(0,))
+@register_rule(aten.hardtanh.default, promote=K.DEFAULT, operands=(0,))
 def _hardtanh(ctx, x, min_val=-1.0, max_val=1.0):
     """A clamp: NaN stays NaN, and ``min_val > max_val`` gives ``max_val``, as in eager."""
     return hlo.minimum(hlo.maximum(x, builder.constant_like(min_val, x)), builder.constant_like(max_val, x))
 
 
-@register_lowering(aten.elu.default, promote=K.DEFAULT, operands=(0,))
+@register_rule(aten.elu.default, promote=K.DEFAULT, operands=(0,))
 def _elu(ctx, x, alpha=1.0, scale=1.0, input_scale=1.0):
     """``scale * x`` for ``x > 0``, else ``alpha * scale * expm1(input_scale * x)`` (ELU, SELU, CELU)."""
     # alpha * scale rounded to x's dtype, as eager rounds it

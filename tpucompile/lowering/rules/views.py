@@ -12,14 +12,14 @@ from jax.extend.mlir.dialects import stablehlo as hlo
 
 from tpucompile.errors import UnsupportedOpError
 from tpucompile.lowering import builder
-from tpucompile.lowering.registry import register_lowering
+from tpucompile.lowering.registry import register_rule
 from tpucompile.lowering.types import tensor_type
 
 aten = torch.ops.aten
 prims = torch.ops.prims
 
 
-@register_lowering(
+@register_rule(
     aten.view.default,
     aten._unsafe_view.default,
     aten.reshape.default,
@@ -37,19 +37,19 @@ def _reshape(ctx, x, *args, **kwargs):
     return builder.reshape(x, ctx.aval_out.shape)
 
 
-@register_lowering(aten.permute.default, aten.permute_copy.default)
+@register_rule(aten.permute.default, aten.permute_copy.default)
 def _permute(ctx, x, dims):
     rank = builder.rank_of(x)
     return builder.transpose(x, [d % rank if rank else 0 for d in dims])
 
 
-@register_lowering(aten.t.default, aten.numpy_T.default)
+@register_rule(aten.t.default, aten.numpy_T.default)
 def _t(ctx, x):
     rank = builder.rank_of(x)
     return builder.transpose(x, list(range(rank))[::-1])
 
 
-@register_lowering(aten.transpose.int)
+@register_rule(aten.transpose.int)
 def _transpose(ctx, x, dim0, dim1):
     rank = builder.rank_of(x)
     if rank == 0:
@@ -59,7 +59,7 @@ def _transpose(ctx, x, dim0, dim1):
     return builder.transpose(x, perm)
 
 
-@register_lowering(aten.expand.default, aten.expand_copy.default)
+@register_rule(aten.expand.default, aten.expand_copy.default)
 def _expand(ctx, x, size, implicit=False):
     return builder.broadcast_to(x, ctx.aval_out.shape)
 
@@ -74,7 +74,7 @@ def _normalize_range(size: int, start: int | None, end: int | None) -> tuple[int
     return start, end
 
 
-@register_lowering(aten.slice.Tensor, aten.slice_copy.Tensor)
+@register_rule(aten.slice.Tensor, aten.slice_copy.Tensor)
 def _slice(ctx, x, dim=0, start=None, end=None, step=1):
     shape = builder.shape_of(x)
     dim %= len(shape)
@@ -104,7 +104,7 @@ def _from_actual_end(ctx, x, dim: int, start: int, result_shape) -> ir.Value:
     return hlo.dynamic_slice(x, starts, list(result_shape))
 
 
-@register_lowering(aten.select.int, aten.select_copy.int)
+@register_rule(aten.select.int, aten.select_copy.int)
 def _select(ctx, x, dim, index):
     shape = builder.shape_of(x)
     dim %= len(shape)
@@ -119,7 +119,7 @@ def _select(ctx, x, dim, index):
     return builder.reshape(sliced, ctx.aval_out.shape)
 
 
-@register_lowering(aten.cat.default)
+@register_rule(aten.cat.default)
 def _cat(ctx, tensors, dim=0):
     dtype = ctx.aval_out.dtype
     rank = ctx.aval_out.rank
@@ -130,12 +130,12 @@ def _cat(ctx, tensors, dim=0):
     return builder.concatenate(parts, dim % rank)
 
 
-@register_lowering(aten.split_with_sizes.default, aten.split_with_sizes_copy.default)
+@register_rule(aten.split_with_sizes.default, aten.split_with_sizes_copy.default)
 def _split_with_sizes(ctx, x, split_sizes, dim=0):
     return _split(x, list(split_sizes), dim)
 
 
-@register_lowering(aten.split.Tensor, aten.split_copy.Tensor)
+@register_rule(aten.split.Tensor, aten.split_copy.Tensor)
 def _split_tensor(ctx, x, split_size, dim=0):
     size = builder.shape_of(x)[dim % builder.rank_of(x)]
     sizes = [min(split_size, size - start) for start in range(0, size, split_size)] if split_size else [size]
@@ -155,7 +155,7 @@ def _split(x, sizes: list[int], dim: int) -> list:
     return outputs
 
 
-@register_lowering(aten.unbind.int)
+@register_rule(aten.unbind.int)
 def _unbind(ctx, x, dim=0):
     shape = builder.shape_of(x)
     dim %= len(shape)
@@ -163,7 +163,7 @@ def _unbind(ctx, x, dim=0):
     return [builder.reshape(p, shape[:dim] + shape[dim + 1 :]) for p in pieces]
 
 
-@register_lowering(aten.flip.default)
+@register_rule(aten.flip.default)
 def _flip(ctx, x, dims):
     rank = builder.rank_of(x)
     if not dims or rank == 0:
@@ -171,7 +171,7 @@ def _flip(ctx, x, dims):
     return hlo.reverse(x, sorted(d % rank for d in dims))
 
 
-@register_lowering(aten.constant_pad_nd.default)
+@register_rule(aten.constant_pad_nd.default)
 def _constant_pad_nd(ctx, x, pad, value=0):
     rank = builder.rank_of(x)
     low, high = [0] * rank, [0] * rank
@@ -198,7 +198,7 @@ def _fill_past_actual(padded, dim: int, low: int, extent, padding):
     return builder.select(inside, padded, builder.broadcast_to(padding, shape))
 
 
-@register_lowering(aten.repeat.default)
+@register_rule(aten.repeat.default)
 def _repeat(ctx, x, repeats):
     shape = builder.shape_of(x)
     shape = (1,) * (len(repeats) - len(shape)) + shape
@@ -259,7 +259,7 @@ def _diagonal_layout(shape, offset, dim1, dim2):
     return perm, length, first, cols + 1
 
 
-@register_lowering(aten.diagonal.default, aten.diagonal_copy.default)
+@register_rule(aten.diagonal.default, aten.diagonal_copy.default)
 def _diagonal(ctx, x, offset=0, dim1=0, dim2=1):
     shape = builder.shape_of(x)
     perm, length, first, step = _diagonal_layout(shape, offset, dim1, dim2)
@@ -273,7 +273,7 @@ def _diagonal(ctx, x, offset=0, dim1=0, dim2=1):
     return builder.slice_static(flat, starts, limits, [1] * len(batch) + [step])
 
 
-@register_lowering(aten.diagonal_scatter.default)
+@register_rule(aten.diagonal_scatter.default)
 def _diagonal_scatter(ctx, x, src, offset=0, dim1=0, dim2=1):
     shape = builder.shape_of(x)
     perm, length, first, step = _diagonal_layout(shape, offset, dim1, dim2)
@@ -288,7 +288,7 @@ def _diagonal_scatter(ctx, x, src, offset=0, dim1=0, dim2=1):
     return builder.transpose(builder.reshape(updated, moved_shape), inverse)
 
 
-@register_lowering(aten.roll.default)
+@register_rule(aten.roll.default)
 def _roll(ctx, x, shifts, dims=()):
     shifts, dims = list(shifts), list(dims)
     if not dims:  # roll the flattened tensor, then restore the shape
@@ -314,7 +314,7 @@ def _roll_dims(x, shifts, dims):
     return x
 
 
-@register_lowering(aten.unfold.default, aten.unfold_copy.default)
+@register_rule(aten.unfold.default, aten.unfold_copy.default)
 def _unfold(ctx, x, dim, size, step):
     """Windows of ``size`` every ``step`` along ``dim``, as a new last dimension: one strided slice per
     position in the window, concatenated."""
@@ -335,7 +335,7 @@ def _unfold(ctx, x, dim, size, step):
     return builder.concatenate(pieces, len(shape))
 
 
-@register_lowering(aten.view.dtype)
+@register_rule(aten.view.dtype)
 def _view_dtype(ctx, x, dtype):
     """Reinterpret the bits; a size change splits or merges the last dimension, as torch does."""
     source = builder.dtype_of(x)
@@ -456,7 +456,7 @@ def gather_flat(x: ir.Value, indices: np.ndarray) -> ir.Value:
                       results=[tensor_type(out_shape, builder.dtype_of(x))])
 
 
-@register_lowering(aten.as_strided.default, aten.as_strided_copy.default)
+@register_rule(aten.as_strided.default, aten.as_strided_copy.default)
 def _as_strided(ctx, x, size, stride, storage_offset=None):
     """``as_strided`` over the eager layout of ``x`` (from its traced strides). The element map is
     computed at compile time; it lowers to a reshape or a strided slice when it is one, else to a gather."""
@@ -481,7 +481,7 @@ def _as_strided(ctx, x, size, stride, storage_offset=None):
     return gather_flat(x, indices)
 
 
-@register_lowering(aten.as_strided_scatter.default)
+@register_rule(aten.as_strided_scatter.default)
 def _as_strided_scatter(ctx, x, src, size, stride, storage_offset=None):
     """``x`` with the elements that ``as_strided(x, size, stride, storage_offset)`` would view replaced by
     ``src``: each element of ``x`` gathers the (last) element of ``src`` written to it, if any."""

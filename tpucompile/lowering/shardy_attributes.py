@@ -19,7 +19,7 @@ from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import sdy
 
 from tpucompile.errors import LoweringError
-from tpucompile.lowering.registry import register_lowering
+from tpucompile.lowering.registry import register_rule
 from tpucompile.sharding.plan import Dims, decode_sharding, shard_annotation
 
 MESH_NAME = "mesh"
@@ -92,7 +92,7 @@ def set_shardings(main: ir.Operation, arg_dims: Sequence[Dims], arg_ranks: Seque
     main.attributes["res_attrs"] = attrs(result_dims, result_ranks)
 
 
-@register_lowering(shard_annotation)
+@register_rule(shard_annotation)
 def _sharding_constraint(ctx, value, sharding):
     """An annotated intermediate value: a constraint XLA's propagation must respect."""
     _, dims = decode_sharding(sharding)
