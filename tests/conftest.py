@@ -73,9 +73,9 @@ def aten_ops(monkeypatch) -> set:
     seen: set = set()
     original = backend.compile_graph
 
-    def recording(gm, example_inputs, options, name):
+    def recording(gm, example_inputs, options, name, targets=None):
         seen.update(n.target for n in gm.graph.nodes if n.op == "call_function")
-        return original(gm, example_inputs, options, name)
+        return original(gm, example_inputs, options, name, targets)
 
     monkeypatch.setattr(backend, "compile_graph", recording)
     return seen

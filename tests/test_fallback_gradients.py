@@ -66,9 +66,9 @@ def _training_ops(name: str, monkeypatch) -> list:
     seen: list = []
     original = driver.compile_graph
 
-    def recording(gm, example_inputs, options, graph_name):
+    def recording(gm, example_inputs, options, graph_name, targets=None):
         seen.extend(n.target for n in gm.graph.nodes if n.op == "call_function" and n.target not in seen)
-        return original(gm, example_inputs, options, graph_name)
+        return original(gm, example_inputs, options, graph_name, targets)
 
     import tpucompile.backend as backend
 

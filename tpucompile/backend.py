@@ -23,7 +23,7 @@ from torch._dynamo.backends.common import aot_autograd
 from tpucompile import plan_replay
 from tpucompile.config import Options
 from tpucompile.debug import recorder as dump
-from tpucompile.driver import attention_kernel_wanted, compile_graph, custom_ops_lowered_whole, record_graph
+from tpucompile.driver import compile_graph, custom_ops_lowered_whole, record_graph, resolve_targets
 from tpucompile.errors import OptionsError
 from tpucompile.frontend import (
     KINDS_KEY,
@@ -49,19 +49,20 @@ def tpucompile_backend(
     """Entry point Dynamo calls for ``torch.compile(model, backend="tpucompile", options=...)``."""
     config, example_inputs = bind_sharding(_compile_only_when_meta(Options.from_sources(options), gm, example_inputs),
                                            gm, example_inputs)
+    targets = resolve_targets(config)
     index = next(_graph_counter)
     dump.start_from_environment()
     record_graph(f"graph {index}", "fx", gm)
-    if rewrite_attention(gm, kernel=attention_kernel_wanted(config)):
+    if rewrite_attention(gm, kernel=targets.attention_kernel):
         record_graph(f"graph {index}", "fx_rewrite_attention", gm)
     if rewrite_interpolation(gm):
         record_graph(f"graph {index}", "fx_rewrite_interpolation", gm)
 
     recorder = None
     with _aot_autograd_settings(config):  # the plan is keyed on the settings AOTAutograd will trace with
-        components = None if config.compile_only else plan_replay.plan_components(gm, example_inputs, config)
+        components = None if config.compile_only else plan_replay.plan_components(gm, example_inputs, config, targets)
     if components is not None and not dump.active():
-        compiled = plan_replay.compiled_from_plan(components, config, f"graph {index}")
+        compiled = plan_replay.compiled_from_plan(components, config, f"graph {index}", targets)
         if compiled is not None:
             return compiled
         recorder = plan_replay.PlanRecorder(components, config, len(example_inputs))
@@ -73,7 +74,7 @@ def tpucompile_backend(
             aten_gm.meta[KINDS_KEY] = kinds  # step reports count memory by use
             if config.donate:  # the plan's runner keeps the saved values as its own buffers
                 mark_donatable(aten_gm, role, saved_on_device=recorder is not None and not recorder.abandoned)
-            compiled = compile_graph(aten_gm, aten_inputs, config, f"graph {index} ({role})")
+            compiled = compile_graph(aten_gm, aten_inputs, config, f"graph {index} ({role})", targets)
             if recorder is not None:
                 recorder.record(role, aten_gm, compiled)
             return compiled
@@ -85,7 +86,7 @@ def tpucompile_backend(
             fw_compiler=compiler("forward"),
             bw_compiler=compiler("backward"),
             inference_compiler=compiler("inference"),
-            decompositions=decomposition_table(custom_ops_lowered_whole(config), attention_kernel_wanted(config)),
+            decompositions=decomposition_table(custom_ops_lowered_whole(targets), targets.attention_kernel),
             partition_fn=fitting_partition(config, kinds),
         )(gm, example_inputs))
     return compiled if recorder is None else recorder.take_over(compiled)

@@ -46,7 +46,7 @@ from tpucompile import artifacts, driver
 from tpucompile.config import Options
 from tpucompile.frontend import decomposition_table
 from tpucompile.lowering import ShapeBindings, custom_ops
-from tpucompile.runtime import GraphExecutable, get_target
+from tpucompile.runtime import GraphExecutable
 
 log = logging.getLogger("tpucompile")
 
@@ -55,9 +55,10 @@ _ROLE_ORDER = ("inference", "forward", "backward")
 
 
 def plan_components(
-    gm: torch.fx.GraphModule, example_inputs: Sequence[Any], options: Options
+    gm: torch.fx.GraphModule, example_inputs: Sequence[Any], options: Options, targets: driver.CompileTargets
 ) -> dict[str, Any] | None:
-    """The key components of ``gm``'s plan, or None when ``gm`` cannot have one (see the module doc)."""
+    """The key components of ``gm``'s plan for ``targets`` (this process's device), or None when ``gm`` cannot
+    have one (see the module doc)."""
     if not example_inputs or not all(isinstance(x, torch.Tensor) for x in example_inputs):
         return None
     if options.targets or options.mesh is not None:  # compile-only targets and sharded programs start from
@@ -86,14 +87,14 @@ def plan_components(
         "deterministic": [torch.are_deterministic_algorithms_enabled(),
                           torch.is_deterministic_algorithms_warn_only_enabled()],
         "functorch_config": _functorch_settings(),
-        "decompositions": _table_digest(decomposition_table(driver.custom_ops_lowered_whole(options),
-                                                             driver.attention_kernel_wanted(options))),
+        "decompositions": _table_digest(decomposition_table(driver.custom_ops_lowered_whole(targets),
+                                                             targets.attention_kernel)),
         # every one, not only those of this graph's ops: the backward's ops (a custom op's autograd formula may
         # call another) show only in the ATen graphs, whose programs the plan names by key
-        "jax_lowerings": custom_ops.registrations(get_target(options.platform).platform),
+        "jax_lowerings": custom_ops.registrations(targets.lowered_for.platform),
         "options": {k: v if isinstance(v, (bool, int, float, str, type(None))) else repr(v)
                     for k, v in sorted(settings.items())},
-        **artifacts.environment(get_target(options.platform)),
+        **artifacts.environment(targets.lowered_for),
     }
 
 
@@ -277,7 +278,8 @@ def _outputs(gm: torch.fx.GraphModule) -> list[Any]:
 # -- running a plan on a warm start ------------------------------------------------------------------------
 
 
-def compiled_from_plan(components: dict[str, Any], options: Options, name: str) -> Callable[..., Any] | None:
+def compiled_from_plan(components: dict[str, Any], options: Options, name: str, targets: driver.CompileTargets
+                       ) -> Callable[..., Any] | None:
     """The callable Dynamo needs for the graph of ``components``, built from a cached plan; None without one."""
     found = artifacts.load_plan(components, options)
     if found is None:
@@ -285,7 +287,7 @@ def compiled_from_plan(components: dict[str, Any], options: Options, name: str) 
     plan, _ = found
     try:
         executables = {
-            role: driver.load_compiled_graph(entry["program"], options, f"{name} ({role})")
+            role: driver.load_compiled_graph(entry["program"], options, f"{name} ({role})", targets)
             for role, entry in sorted(plan["roles"].items(), key=lambda item: _ROLE_ORDER.index(item[0]))
         }
     except (KeyError, ValueError, TypeError):  # a plan of another shape than this version writes

@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from tests.cache.cache_helpers import fresh_start
-from tpucompile import driver
-from tpucompile.runtime import optimized_hlo
+from tpucompile.runtime import get_target, optimized_hlo
 from tpucompile.runtime.host_kernels import kernel_choice
 from tpucompile.runtime.host_kernels.library import CONV_TARGET_NAME, TARGET_NAME, kernels
 
@@ -172,7 +171,7 @@ def test_the_host_kernel_wins_only_clearly_and_not_when_it_stalls():
 
 
 def _target():
-    return driver.get_target(None)
+    return get_target(None)
 
 
 def test_a_timing_that_fails_keeps_xla_and_the_compile_goes_on(decisions, monkeypatch, caplog):

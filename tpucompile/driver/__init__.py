@@ -1,0 +1,36 @@
+"""The compile path of one ATen graph: passes → lowering → cache → runtime, handing back the callable that
+runs it.
+
+Its rooms: ``targets`` (the devices a compile is for, resolved once at the backend's entry), ``graphs`` (the
+entry: passes, then one program or compiled regions), ``eager_fallback`` (regions with eager ops between
+them), ``dispatch`` (static, per-bucket or per-shape executables), ``executables`` (loaded for this process,
+compiled for compile-only targets) and ``events`` (observers, the graph recorder, counters).
+"""
+
+from tpucompile.driver.events import (
+    CompileEvent,
+    add_observer,
+    executable_cache,
+    graphs_compiled,
+    recent_executables,
+    record_graph,
+    set_graph_recorder,
+)
+from tpucompile.driver.executables import load_compiled_graph
+from tpucompile.driver.graphs import compile_graph
+from tpucompile.driver.targets import CompileTargets, custom_ops_lowered_whole, resolve_targets
+
+__all__ = [
+    "CompileEvent",
+    "CompileTargets",
+    "add_observer",
+    "compile_graph",
+    "custom_ops_lowered_whole",
+    "executable_cache",
+    "graphs_compiled",
+    "load_compiled_graph",
+    "recent_executables",
+    "record_graph",
+    "resolve_targets",
+    "set_graph_recorder",
+]

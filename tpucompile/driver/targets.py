@@ -1,0 +1,65 @@
+"""The devices one compile is for, worked out once from its options: the backend resolves them as a graph
+arrives and hands the record down, so no later stage reads target names again."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from tpucompile.config import Options
+from tpucompile.contracts import target_names
+from tpucompile.frontend.traced_implementations import custom_op_overloads
+from tpucompile.lowering import custom_ops
+from tpucompile.lowering.registry import lookup_rule
+from tpucompile.runtime import Target, get_mesh_target, get_target
+from tpucompile.runtime.targets.compile_only import compile_targets, spanning
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileTargets:
+    """Where the graphs of one compile are lowered, compiled and run."""
+
+    lowered_for: Target
+    """What graphs are lowered for: this process's device or mesh; in a compile-only run, the first compile-only
+    target, widened to the mesh (its mesh may be larger than this machine)."""
+    compile_only: tuple[Target, ...]
+    """The targets every graph is also compiled for and stored, never run here, each as wide as ``lowered_for``."""
+    platforms: frozenset[str]
+    """The platforms graphs are lowered for: the compile-only targets' and, unless the compile is only for
+    them, this process's own (a custom op's JAX lowering must cover every one to keep the op whole)."""
+    attention_kernel: bool
+    """Whether attention goes to its kernel op (``options.attention``; in "auto", where a TPU compiles it)."""
+
+
+def resolve_targets(options: Options) -> CompileTargets:
+    """The targets of a compile with ``options``."""
+    size = 1 if options.mesh is None else options.mesh.size
+    others = compile_targets(options.targets, options.platform) if options.targets else ()
+    if options.compile_only and others:
+        lowered_for = spanning(others[0], size)
+    elif options.mesh is None:
+        lowered_for = get_target(options.platform)
+    else:
+        lowered_for = get_mesh_target(options.platform, size, options.mesh.devices)
+    platforms = {target_names.parse(name).platform for name in options.targets}
+    if not options.compile_only:
+        platforms.add(get_target(options.platform).platform)
+    return CompileTargets(lowered_for, tuple(spanning(t, len(lowered_for.devices)) for t in others),
+                          frozenset(platforms), _attention_kernel(options))
+
+
+def _attention_kernel(options: Options) -> bool:
+    if options.attention != "auto":
+        return options.attention in ("kernel", "interpret")
+    if options.platform == "tpu" or any(target.startswith("tpu") for target in options.targets):
+        return True
+    if options.platform is None:  # through the runtime, which sets jax up before its backend starts
+        return get_target(None).platform == "tpu"
+    return False
+
+
+def custom_ops_lowered_whole(targets: CompileTargets) -> frozenset[str]:
+    """The custom ops (``torch.library.custom_op``) that reach the lowering whole in a compile for ``targets``:
+    those with a lowering rule of tpucompile's, and those whose registered JAX lowerings cover every platform
+    the compile lowers for. AOTAutograd traces the others through their implementations."""
+    return frozenset(name for name, op in custom_op_overloads().items()
+                     if lookup_rule(op) is not None or custom_ops.lowers(op, targets.platforms))
