@@ -34,8 +34,8 @@ def pytest_configure(config):
     settle_vector_math_dispatch()
 
 
-LONGEST_FIRST = ("tests/cache/test_warm_custom_calls.py", "tests/opinfo/", "tests/moduleinfo/",
-                 "tests/test_sharding.py", "tests/test_examples.py")
+LONGEST_FIRST = ("tests/artifacts/test_warm_custom_calls.py", "tests/opinfo/", "tests/moduleinfo/",
+                 "tests/sharding/test_sharding.py", "tests/test_examples.py")
 """Files that take minutes (sweeps in subprocesses, examples): collected first, so that parallel workers
 (pytest-xdist hands out whole files in collection order) start them while the short files fill the rest."""
 
@@ -59,6 +59,14 @@ def seeded() -> None:
     """Seeded inputs: torch's global generator reseeded before the test, from ``$TPUCOMPILE_TEST_SEED``
     (default 0), so a failure with random inputs can be rerun with the same ones or with others."""
     torch.manual_seed(int(os.environ.get("TPUCOMPILE_TEST_SEED", "0")))
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    """A persistent cache of the test's own (``$TPUCOMPILE_CACHE_DIR``), empty at the start, in place of the
+    session's shared one, so what a test finds cached is only what it compiled itself."""
+    monkeypatch.setenv("TPUCOMPILE_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"
 
 
 @pytest.fixture

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from tests.cache.workload import check_model
+from tests.workload import check_model
 from tpucompile import artifacts, driver
 from tpucompile.artifacts import executables
 from tpucompile.config import Options

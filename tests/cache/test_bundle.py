@@ -9,7 +9,7 @@ import tarfile
 import pytest
 import torch
 
-from tests.cache.cache_helpers import compile_and_run
+from tests.cached_runs import compile_and_run
 from tpucompile import artifacts, cli
 from tpucompile.cache import Entry, PersistentCache
 from tpucompile.cache.bundle import BundleError, export_bundle, import_bundle, sign

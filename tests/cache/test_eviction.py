@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from tests.cache.cache_helpers import compile_and_run, fault_repetitions, report
+from tests.cached_runs import compile_and_run, fault_repetitions, report
 from tpucompile.cache import Entry, PersistentCache, encode
 
 
@@ -60,7 +60,7 @@ def test_reconcile_indexes_files_the_index_lacks(tmp_path):
 
 _PRUNER = r"""
 import json, sys, time
-from tests.cache.cache_helpers import entry_payload
+from tests.cached_runs import entry_payload
 from tpucompile.cache import Entry, PersistentCache
 root, count, cap, seconds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
 cache = PersistentCache(root)
@@ -78,7 +78,7 @@ print(json.dumps({"rounds": rounds, "evicted": evicted}))
 
 _READER = r"""
 import json, random, sys, time
-from tests.cache.cache_helpers import entry_payload
+from tests.cached_runs import entry_payload
 from tpucompile.cache import PersistentCache, cache_key
 root, count, seconds = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
 cache = PersistentCache(root)

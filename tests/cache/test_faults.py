@@ -21,7 +21,7 @@ import warnings
 import pytest
 import torch
 
-from tests.cache.cache_helpers import compile_and_run, fault_repetitions, report
+from tests.cached_runs import compile_and_run, fault_repetitions, report
 from tpucompile.cache import Entry, LocalStore, decode, encode
 from tpucompile.cache.entry import MAGIC, read_header
 
@@ -124,7 +124,7 @@ def test_damaged_entries_are_detected_and_never_served(cache_dir):
 _FULL_DISK_RUN = r"""
 import json, os, pathlib, resource, signal, sys
 import torch
-from tests.cache.cache_helpers import compile_and_run
+from tests.cached_runs import compile_and_run
 from tests.cache.test_faults import f, _inputs
 from tpucompile.cache import LocalStore, decode
 
@@ -216,14 +216,14 @@ def g(x, y):
 
 
 _WARM_RUN = r"""
-from tests.cache.cache_helpers import compile_and_run
+from tests.cached_runs import compile_and_run
 from tests.cache.test_faults import f, _inputs
 compile_and_run(f, *_inputs())
 """
 
 _READ_ONLY_RUN = r"""
 import json, torch
-from tests.cache.cache_helpers import compile_and_run
+from tests.cached_runs import compile_and_run
 from tests.cache.test_faults import f, g, _inputs
 x, y = _inputs()
 runs = {}

@@ -29,7 +29,7 @@ import time
 
 import pytest
 
-from tests.cache.cache_helpers import start_redis_server
+from tests.cached_runs import start_redis_server
 from tpucompile.cache.fleet import FleetClaims
 from tpucompile.cache.remote import FsspecStore, GuardedRemote
 from tpucompile.cache.remote_lease import FsspecLeases, Holder, parse_record

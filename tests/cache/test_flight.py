@@ -8,7 +8,7 @@ import sys
 import threading
 import time
 
-from tests.cache.cache_helpers import finish, start_workload, workload_env
+from tests.cached_runs import finish, start_workload, workload_env
 from tpucompile.cache.flight import SingleFlight
 
 KEY = "ab" * 32

@@ -7,7 +7,7 @@ import socket
 
 import pytest
 
-from tests.cache.cache_helpers import finish, start_workload, workload_env
+from tests.cached_runs import finish, start_workload, workload_env
 from tpucompile.cache import (
     ENVIRONMENT_COMPONENTS,
     LocalStore,

@@ -10,12 +10,12 @@ import sys
 import threading
 import time
 
-from tests.cache.cache_helpers import entry_payload, fault_repetitions, report
+from tests.cached_runs import entry_payload, fault_repetitions, report
 from tpucompile.cache import Entry, LocalStore, PersistentCache, decode, encode
 
 _WRITER = r"""
 import sys
-from tests.cache.cache_helpers import entry_payload
+from tests.cached_runs import entry_payload
 from tpucompile.cache import Entry, PersistentCache
 cache = PersistentCache(sys.argv[1])
 seed = sys.argv[2]

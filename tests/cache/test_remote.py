@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from tests.cache.cache_helpers import compile_and_run, report
+from tests.cached_runs import compile_and_run, report
 from tpucompile.artifacts import persistent_cache
 from tpucompile.cache import Entry, LocalStore, PersistentCache, decode
 from tpucompile.cache.remote import FsspecStore

@@ -33,7 +33,7 @@ from tpucompile.sharding.plan import GraphValue, decode_sharding, encode_shardin
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "sharding_worker.py")
-ROOT = os.path.dirname(HERE)
+ROOT = os.path.dirname(os.path.dirname(HERE))
 
 
 # -- meshes, plans and options ----------------------------------------------------------------------------

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from tests.cache.cache_helpers import compile_and_run
+from tests.cached_runs import compile_and_run
 from tpucompile import CacheMissError, artifacts
 from tpucompile.cache import LocalStore, decode
 

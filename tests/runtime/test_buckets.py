@@ -20,7 +20,7 @@ from tpucompile.errors import OptionsError, TpuCompileWarning
 from tpucompile.metrics import compile_stats as stats
 from tpucompile.runtime.buckets import bucket_size
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "examples"))
 
 BUCKETED = {"dynamic_mode": "bucket"}
 

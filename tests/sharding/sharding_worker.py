@@ -21,7 +21,8 @@ os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={DEVICES}"
 
 import torch  # noqa: E402
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+REPOSITORY = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(REPOSITORY, "examples"))
 
 from mingpt import GPT, GPTConfig  # noqa: E402
 

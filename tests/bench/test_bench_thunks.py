@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from tpucompile import driver
 from tpucompile.runtime.compiler import optimized_hlo
 
-_PATH = pathlib.Path(__file__).resolve().parent.parent / "bench" / "thunks.py"
+_PATH = pathlib.Path(__file__).resolve().parents[2] / "bench" / "thunks.py"
 _spec = importlib.util.spec_from_file_location("bench_thunks", _PATH)
 thunks = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(thunks)

@@ -20,7 +20,7 @@ from jax.interpreters import mlir as jax_mlir
 from tpucompile import cli
 from tpucompile.cache import cache_key
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MINGPT = os.path.join(ROOT, "examples", "mingpt.py")
 FILES = ["fx.txt", "aten_0_aot_autograd.txt", "aten_1_remove_noop_views.txt", "aten_2_eliminate_dead_code.txt",
          "aten_3_lift_large_constants.txt", "aten.txt", "locations.txt", "stablehlo.mlir", "stablehlo.mlirbc",

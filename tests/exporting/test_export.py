@@ -22,7 +22,7 @@ from tpucompile.cli import main as cli_main
 from tpucompile.errors import UnsupportedOpError
 from tpucompile.serving import ServingError, load_served
 
-EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples")
 
 
 def _example(name: str):

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.cache.cache_helpers import compile_and_run
+from tests.cached_runs import compile_and_run
 from tpucompile import cli
 from tpucompile.cache import PersistentCache
 from tpucompile.config import Options

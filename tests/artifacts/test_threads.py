@@ -8,7 +8,7 @@ import threading
 
 import torch
 
-from tests.cache.cache_helpers import fault_repetitions, fresh_start, report
+from tests.cached_runs import fault_repetitions, fresh_start, report
 
 
 def _model(width: int, hidden: int, outputs: int) -> torch.nn.Module:

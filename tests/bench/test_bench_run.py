@@ -9,7 +9,7 @@ import pathlib
 import subprocess
 import sys
 
-_RUN = pathlib.Path(__file__).resolve().parent.parent / "bench" / "run.py"
+_RUN = pathlib.Path(__file__).resolve().parents[2] / "bench" / "run.py"
 
 
 def test_cells_take_turns_and_every_cell_is_reported(tmp_path):

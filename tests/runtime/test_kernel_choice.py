@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from tests.cache.cache_helpers import fresh_start
+from tests.cached_runs import fresh_start
 from tpucompile.runtime import get_target, optimized_hlo
 from tpucompile.runtime.host_kernels import kernel_choice
 from tpucompile.runtime.host_kernels.library import CONV_TARGET_NAME, TARGET_NAME, kernels

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from tests.cache.cache_helpers import compile_and_run, workload_env
+from tests.cached_runs import compile_and_run, workload_env
 from tests.opinfo.runs import run_sweep
 from tpucompile.cache import Entry, LocalStore, decode, encode
 from tpucompile.runtime import custom_calls, get_target

@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from tests.cache.cache_helpers import fresh_start, run_workload, workload_env
+from tests.cached_runs import fresh_start, run_workload, workload_env
 from tpucompile import artifacts
 from tpucompile.cache import LocalStore, decode
 

@@ -6,7 +6,7 @@ plan its own run stored (nothing is traced)."""
 
 from __future__ import annotations
 
-from tests.cache.cache_helpers import workload_env
+from tests.cached_runs import workload_env
 from tests.fresh_process import run_json
 from tpucompile.cache import LocalStore, decode
 
@@ -16,7 +16,7 @@ import json
 
 import torch
 
-from tests.cache.cache_helpers import fresh_start
+from tests.cached_runs import fresh_start
 
 
 def step(x, w):

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.cache.cache_helpers import WORKLOAD, workload_env
+from tests.cached_runs import WORKLOAD, workload_env
 from tpucompile import cli
 from tpucompile.cache import Entry, PersistentCache
 
