@@ -25,9 +25,16 @@ def pytest_configure(config):
     the cache itself point ``TPUCOMPILE_CACHE_DIR`` at their own ``tmp_path``), and so does the host BLAS
     kernel library, built once per session. Eager results are the reference: oneMKL's kernel choice is
     settled before any test can race on it.
+
+    CPU programs keep XLA's own dots and convolutions (``TPUCOMPILE_HOST_KERNELS=off``), the path every
+    platform shares: the default, "auto", times each new product both ways, which made a test's program depend
+    on the machine's load and took a third of the suite's compile time. The host kernels are tested on their
+    own, each mode named: against XLA's ops in ``tests/differential/``, their choice in
+    ``tests/runtime/test_kernel_choice.py``, and the examples run with the user's default.
     """
     global _CACHE_DIR
     os.environ["TPUCOMPILE_FALLBACK"] = "error"
+    os.environ.setdefault("TPUCOMPILE_HOST_KERNELS", "off")
     _CACHE_DIR = tempfile.mkdtemp(prefix="tpucompile-test-cache-")
     os.environ["TPUCOMPILE_CACHE_DIR"] = _CACHE_DIR
     os.environ.setdefault("TPUCOMPILE_BUILD_DIR", os.path.join(_CACHE_DIR, "build"))

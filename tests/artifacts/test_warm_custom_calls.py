@@ -66,8 +66,8 @@ def test_linear_algebra_and_host_kernels_run_warm_in_a_fresh_process(tmp_path, r
     not crash (jaxlib's LAPACK handlers are only initialised when jax lowers, which a warm start never does)
     and must give the cold run's results. Entries that predate the recorded calls are read off the program."""
     extra = () if recorded else ("--drop-recorded-calls",)
-    cold = _run_ops(tmp_path, "read-write", *extra)
-    warm = _run_ops(tmp_path, "strict")
+    cold = _run_ops(tmp_path, "read-write", *extra, TPUCOMPILE_HOST_KERNELS="on")
+    warm = _run_ops(tmp_path, "strict", TPUCOMPILE_HOST_KERNELS="on")
     assert all(error < 1e-4 for error in cold.values()), cold
     assert warm == cold
 
