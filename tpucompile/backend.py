@@ -26,10 +26,10 @@ from tpucompile.debug import recorder as dump
 from tpucompile.driver import compile_graph, custom_ops_lowered_whole, record_graph, resolve_targets
 from tpucompile.errors import OptionsError
 from tpucompile.frontend import (
-    KINDS_KEY,
+    USES_KEY,
     decomposition_table,
     fitting_partition,
-    input_kinds,
+    graph_input_uses,
     mark_donatable,
     rewrite_attention,
     rewrite_interpolation,
@@ -67,11 +67,11 @@ def tpucompile_backend(
             return compiled
         recorder = plan_replay.PlanRecorder(components, config, len(example_inputs))
 
-    kinds = input_kinds(gm, example_inputs)
+    uses = graph_input_uses(gm, example_inputs)
 
     def compiler(role: str) -> Callable[[torch.fx.GraphModule, list[Any]], Callable]:
         def compile_role(aten_gm: torch.fx.GraphModule, aten_inputs: list[Any]) -> Callable:
-            aten_gm.meta[KINDS_KEY] = kinds  # step reports count memory by use
+            aten_gm.meta[USES_KEY] = uses  # step reports count memory by use
             if config.donate:  # the plan's runner keeps the saved values as its own buffers
                 mark_donatable(aten_gm, role, saved_on_device=recorder is not None and not recorder.abandoned)
             compiled = compile_graph(aten_gm, aten_inputs, config, f"graph {index} ({role})", targets)
@@ -87,7 +87,7 @@ def tpucompile_backend(
             bw_compiler=compiler("backward"),
             inference_compiler=compiler("inference"),
             decompositions=decomposition_table(custom_ops_lowered_whole(targets), targets.attention_kernel),
-            partition_fn=fitting_partition(config, kinds),
+            partition_fn=fitting_partition(config, uses),
         )(gm, example_inputs))
     return compiled if recorder is None else recorder.take_over(compiled)
 

@@ -7,7 +7,7 @@ ACTIVATIONS = "activations"
 RETURNED_GRADIENTS = "gradients_returned"
 """Not an input: the gradients a backward returns."""
 USES = (PARAMETERS, GRADIENTS, OPTIMIZER_STATE, ACTIVATIONS, INPUTS)
-KINDS_KEY = "tpucompile_input_kinds"
+USES_KEY = "tpucompile_input_uses"
 """The ``meta`` key of an ATen graph holding the use of each of its inputs (by AOTAutograd's order)."""
 BUDGET_KEY = "tpucompile_activation_budget"
 """The ``meta`` key of a training graph's forward and backward holding how the activation budget it was

@@ -9,7 +9,7 @@ import math
 import torch
 import torch.fx
 
-from tpucompile.contracts.input_uses import ACTIVATIONS, INPUTS, KINDS_KEY, RETURNED_GRADIENTS, USES
+from tpucompile.contracts.input_uses import ACTIVATIONS, INPUTS, RETURNED_GRADIENTS, USES, USES_KEY
 from tpucompile.sharding.annotate import input_index
 from tpucompile.sharding.plan import decode_sharding, shard_annotation
 
@@ -17,7 +17,7 @@ from tpucompile.sharding.plan import decode_sharding, shard_annotation
 def graph_uses(gm: torch.fx.GraphModule) -> dict[str, int]:
     """Bytes per chip of the inputs of an ATen graph by use (a backward's saved values are ``activations``),
     and for a backward the bytes per chip of the gradients it returns."""
-    kinds = gm.meta.get(KINDS_KEY) or ()
+    noted = gm.meta.get(USES_KEY) or ()
     uses = dict.fromkeys(USES, 0)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     backward = any(p.name.startswith("tangents_") for p in placeholders)
@@ -26,10 +26,10 @@ def graph_uses(gm: torch.fx.GraphModule) -> dict[str, int]:
             continue
         index = input_index(placeholder.name)
         if index is None:
-            kind = ACTIVATIONS if backward else INPUTS
+            use = ACTIVATIONS if backward else INPUTS
         else:
-            kind = (kinds[index] if index < len(kinds) else None) or INPUTS
-        uses[kind] += _per_chip(placeholder, next((u for u in placeholder.users if u.target is shard_annotation),
+            use = (noted[index] if index < len(noted) else None) or INPUTS
+        uses[use] += _per_chip(placeholder, next((u for u in placeholder.users if u.target is shard_annotation),
                                                   None))
     if backward:
         results = gm.graph.output_node().args[0]

@@ -4,23 +4,23 @@ decomposition table AOTAutograd traces with.
 Anything that must see a torch-level call whole (``scaled_dot_product_attention``, ``interpolate``) is
 rewritten here, and the arguments of AOTAutograd's graphs their programs may take over are marked
 (``donation``); graphs of meta tensors trace as real ones would (``meta_tracing``), and each input's use is
-noted (``input_kinds``). Passes over the ATen graphs live in ``tpucompile.passes``.
+noted (``graph_input_uses``). Passes over the ATen graphs live in ``tpucompile.passes``.
 """
 
 from tpucompile.frontend.activation_budget import BUDGET_KEY, fitting_partition
 from tpucompile.frontend.attention import rewrite_attention
 from tpucompile.frontend.decompositions import decomposition_table
 from tpucompile.frontend.donation import mark_donatable
-from tpucompile.frontend.input_kinds import KINDS_KEY, input_kinds
+from tpucompile.frontend.graph_input_uses import USES_KEY, graph_input_uses
 from tpucompile.frontend.interpolation import rewrite_interpolation
 from tpucompile.frontend.meta_tracing import traced_like_real_tensors
 
 __all__ = [
     "BUDGET_KEY",
-    "KINDS_KEY",
+    "USES_KEY",
     "decomposition_table",
     "fitting_partition",
-    "input_kinds",
+    "graph_input_uses",
     "mark_donatable",
     "rewrite_attention",
     "rewrite_interpolation",

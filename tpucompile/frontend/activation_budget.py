@@ -86,13 +86,13 @@ def _fits(peak: int, hbm: int) -> bool:
     return peak <= FIT_FRACTION * hbm
 
 
-def fitting_partition(config: Options, kinds: Sequence[str | None]) -> Callable[..., Any]:
+def fitting_partition(config: Options, uses: Sequence[str | None]) -> Callable[..., Any]:
     """An AOTAutograd partition function for ``config``: the min-cut at the option's budget, or, with the option
     at "auto", at the largest budget whose estimated step peak fits the targets' HBM (1 when it fits as it is,
-    or when there is no target to fit). ``kinds`` is each graph input's use (``frontend.input_kinds``)."""
+    or when there is no target to fit). ``uses`` is each graph input's use (``frontend.graph_input_uses``)."""
     hbm = target_hbm(config)
     divisors = _input_divisors(config)
-    activation_divisor = max((d for d, kind in zip(divisors, kinds, strict=False) if kind != PARAMETERS), default=1)
+    activation_divisor = max((d for d, use in zip(divisors, uses, strict=False) if use != PARAMETERS), default=1)
 
     def partition(joint_module: torch.fx.GraphModule, joint_inputs: Sequence[Any], **kwargs: Any) -> Any:
         def split(budget: float) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule, int]:

@@ -14,25 +14,25 @@ from typing import Any
 import torch
 import torch.fx
 
-from tpucompile.contracts.input_uses import GRADIENTS, INPUTS, KINDS_KEY, OPTIMIZER_STATE, PARAMETERS
+from tpucompile.contracts.input_uses import GRADIENTS, INPUTS, OPTIMIZER_STATE, PARAMETERS, USES_KEY
 from tpucompile.sharding.names import lifted_attributes
 
-__all__ = ["KINDS_KEY", "input_kinds"]
+__all__ = ["USES_KEY", "graph_input_uses"]
 
 
-def input_kinds(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[str | None, ...]:
-    """The kind of every input AOTAutograd passes to the graphs of ``gm`` (None for non-tensors)."""
+def graph_input_uses(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[str | None, ...]:
+    """The use of every input AOTAutograd passes to the graphs of ``gm`` (None for non-tensors)."""
     lifted = lifted_attributes(gm)
     parameters = [t for _, t in lifted if isinstance(t, torch.nn.Parameter)]
     gradients = {id(p.grad) for p in parameters if p.grad is not None}
-    kinds: list[str | None] = [PARAMETERS if isinstance(t, torch.nn.Parameter) else OPTIMIZER_STATE for _, t in lifted]
+    uses: list[str | None] = [PARAMETERS if isinstance(t, torch.nn.Parameter) else OPTIMIZER_STATE for _, t in lifted]
     for example in example_inputs:
         if not isinstance(example, torch.Tensor):
-            kinds.append(None)
+            uses.append(None)
         elif isinstance(example, torch.nn.Parameter):
-            kinds.append(PARAMETERS)
+            uses.append(PARAMETERS)
         elif id(example) in gradients:
-            kinds.append(GRADIENTS)
+            uses.append(GRADIENTS)
         else:
-            kinds.append(INPUTS)
-    return tuple(kinds)
+            uses.append(INPUTS)
+    return tuple(uses)
