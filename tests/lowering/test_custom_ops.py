@@ -193,7 +193,7 @@ def test_a_traceable_implementation_compiles_with_its_registered_backward(events
     assert torch.equal(x_eager.grad, torch.full_like(x, 6.0))
     calls = _calls(events)
     assert "aten.tanh.default" in calls and not any("tpucompile_custom_test" in c for c in calls)
-    assert "tpucompile::attention" in driver.custom_ops_lowered_whole(Options())  # its own lowering stays
+    assert "tpucompile::attention" in driver.custom_ops_lowered_whole(driver.resolve_targets(Options()))  # its own lowering stays
 
 
 def test_an_implementation_that_cannot_be_traced_runs_in_eager_with_the_warning():
@@ -336,7 +336,8 @@ def _plan_components() -> dict:
     from tpucompile import plan_replay
 
     gm = torch.fx.symbolic_trace(lambda x: torch.ops.tpucompile_custom_test.shifted_sine(x, 0.5))
-    return plan_replay.plan_components(gm, [torch.randn(3)], Options.from_sources(None))
+    options = Options.from_sources(None)
+    return plan_replay.plan_components(gm, [torch.randn(3)], options, driver.resolve_targets(options))
 
 
 def test_a_cached_plan_s_key_holds_the_lowering_s_source(registrations):
