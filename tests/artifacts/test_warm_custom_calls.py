@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import subprocess
 import sys
 
@@ -35,9 +36,6 @@ OPS = {  # the first calls LAPACK and has a matrix product: it must run before a
     "conv2d": lambda a: torch.nn.functional.conv2d(a.reshape(1, 1, 4, 4).repeat(1, 3, 4, 4),
                                                    a[:3, :3].reshape(1, 1, 3, 3).repeat(4, 3, 1, 1), padding=1),
 }
-if "--drop-recorded-calls" in sys.argv:  # write entries as a release that did not record their calls
-    import tpucompile.artifacts.executables as executables
-    executables.custom_call_targets = lambda executable, platform: None
 if "--host-always-wins" in sys.argv:  # every timing of the host kernels, ops and whole programs, runs and wins
     from tpucompile.runtime.host_kernels import kernel_choice
     kernel_choice.host_wins = lambda xla_rounds, host_rounds: True
@@ -60,28 +58,59 @@ def _run_ops(cache_dir, mode: str, *args: str, **settings: str) -> dict[str, flo
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def _rewrite_executables(cache_dir, metadata_update: dict) -> None:
+    """Every executable entry of the cache at ``cache_dir`` published again with its metadata updated."""
+    store = LocalStore(cache_dir)
+    for key in store.list_keys():
+        entry = decode(store.read(key), key)
+        if entry.kind == "executable":
+            store.delete(key)
+            store.publish(key, encode(Entry(entry.key, entry.kind, entry.components, entry.payload,
+                                            {**entry.metadata, **metadata_update}, entry.compile_seconds,
+                                            entry.created)))
+
+
+@pytest.fixture(scope="module")
+def cold_host_kernel_run(tmp_path_factory):
+    """The ops compiled cold in one fresh process, every product calling the host kernels: (errors, cache)."""
+    cache = tmp_path_factory.mktemp("cold-host-kernels") / "cache"
+    errors = _run_ops(cache, "read-write", TPUCOMPILE_HOST_KERNELS="on")
+    assert all(error < 1e-4 for error in errors.values()), errors
+    return errors, cache
+
+
+@pytest.fixture(scope="module")
+def cold_xla_run(tmp_path_factory):
+    """The ops compiled cold in one fresh process with XLA's own products: (errors, cache)."""
+    cache = tmp_path_factory.mktemp("cold-xla") / "cache"
+    errors = _run_ops(cache, "read-write", TPUCOMPILE_HOST_KERNELS="off")
+    assert all(error < 1e-4 for error in errors.values()), errors
+    return errors, cache
+
+
 @pytest.mark.parametrize("recorded", [True, False], ids=["recorded-calls", "legacy-entries"])
-def test_linear_algebra_and_host_kernels_run_warm_in_a_fresh_process(tmp_path, recorded):
+def test_linear_algebra_and_host_kernels_run_warm_in_a_fresh_process(cold_host_kernel_run, tmp_path, recorded):
     """Cold in one process, then warm in another in strict mode (a miss would fail the op): the warm run must
     not crash (jaxlib's LAPACK handlers are only initialised when jax lowers, which a warm start never does)
-    and must give the cold run's results. Entries that predate the recorded calls are read off the program."""
-    extra = () if recorded else ("--drop-recorded-calls",)
-    cold = _run_ops(tmp_path, "read-write", *extra, TPUCOMPILE_HOST_KERNELS="on")
-    warm = _run_ops(tmp_path, "strict", TPUCOMPILE_HOST_KERNELS="on")
-    assert all(error < 1e-4 for error in cold.values()), cold
+    and must give the cold run's results. Entries that predate the recorded calls (written as a release that
+    did not record them did: no ``custom_calls``) are read off the program."""
+    cold, cache = cold_host_kernel_run
+    shutil.copytree(cache, tmp_path / "cache")
+    if not recorded:
+        _rewrite_executables(tmp_path / "cache", {"custom_calls": None})
+    warm = _run_ops(tmp_path / "cache", "strict", TPUCOMPILE_HOST_KERNELS="on")
     assert warm == cold
 
 
 @pytest.mark.parametrize("host_kernels", ["on", "auto"])
-def test_programs_lowered_by_another_process_run_when_compiled_now(tmp_path, host_kernels):
+def test_programs_lowered_by_another_process_run_when_compiled_now(cold_xla_run, tmp_path, host_kernels):
     """A program whose StableHLO comes from the cache (lowered in another process, so nothing here has set up
     LAPACK) but whose executable is compiled now, here with other host-kernel choices, and, in ``auto``, timed
     alone and in its whole program with the host kernels: neither the timing nor the run may crash."""
-    cold = _run_ops(tmp_path / "cache", "read-write", TPUCOMPILE_HOST_KERNELS="off")
+    shutil.copytree(cold_xla_run[1], tmp_path / "cache")
     extra = ("--host-always-wins",) if host_kernels == "auto" else ()
     again = _run_ops(tmp_path / "cache", "read-write", *extra, TPUCOMPILE_HOST_KERNELS=host_kernels,
                      TPUCOMPILE_BUILD_DIR=str(tmp_path / "build"))
-    assert all(error < 1e-4 for error in cold.values()), cold
     assert all(error < 1e-4 for error in again.values()), again
 
 
@@ -101,14 +130,7 @@ def test_an_entry_calling_an_unregistered_target_is_a_logged_miss(tmp_path, monk
     # LAPACK's by float32 rounding times its condition number, which this cache test is not about.
     a = 0.1 * torch.randn(4, 4) + torch.eye(4)
     compile_and_run(torch.linalg.inv, a)
-    store = LocalStore(tmp_path)
-    for key in store.list_keys():
-        entry = decode(store.read(key), key)
-        if entry.kind == "executable":
-            metadata = {**entry.metadata, "custom_calls": ["not_in_this_process_ffi"]}
-            store.delete(key)
-            store.publish(key, encode(Entry(entry.key, entry.kind, entry.components, entry.payload, metadata,
-                                            entry.compile_seconds, entry.created)))
+    _rewrite_executables(tmp_path, {"custom_calls": ["not_in_this_process_ffi"]})
     with caplog.at_level(logging.WARNING, logger="tpucompile"):
         result, (event,) = compile_and_run(torch.linalg.inv, a)
     torch.testing.assert_close(result, torch.linalg.inv(a))
