@@ -28,9 +28,9 @@ def pytest_configure(config):
 
     CPU programs keep XLA's own dots and convolutions (``TPUCOMPILE_HOST_KERNELS=off``), the path every
     platform shares: the default, "auto", times each new product both ways, which made a test's program depend
-    on the machine's load and took a third of the suite's compile time. The host kernels are tested on their
-    own, each mode named: against XLA's ops in ``tests/differential/``, their choice in
-    ``tests/runtime/test_kernel_choice.py``, and the examples run with the user's default.
+    on the machine's load and cost a quarter of the suite's time. The host kernels are tested on their own,
+    each mode named: against XLA's ops in ``tests/differential/``, their choice in
+    ``tests/runtime/test_kernel_choice.py``, and the README's main example runs with the user's default.
     """
     global _CACHE_DIR
     os.environ["TPUCOMPILE_FALLBACK"] = "error"

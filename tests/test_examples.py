@@ -89,9 +89,8 @@ def run_example_main(script: str, env: dict[str, str] | None = None) -> subproce
     """Import ``examples/<script>`` in a fresh interpreter and call its ``main()``."""
     module = script.removesuffix(".py")
     code = f"import sys; sys.path.insert(0, {EXAMPLES!r}); import {module}; {module}.main()"
-    default = {"TPUCOMPILE_HOST_KERNELS": "auto"}  # as a user runs it (the session turns them off)
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, **default, **(env or {})})
+                          env={**os.environ, **(env or {})})
 
 
 def check_tpu_dump(script: str, dump: pathlib.Path) -> None:
