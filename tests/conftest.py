@@ -9,6 +9,7 @@ import tempfile
 import pytest
 import torch
 
+from tests.dynamo_settings import skip_guard_latency_profiling
 from tests.eager_reference import settle_vector_math_dispatch
 
 _CACHE_DIR: str | None = None
@@ -31,6 +32,7 @@ def pytest_configure(config):
     on the machine's load and cost a quarter of the suite's time. The host kernels are tested on their own,
     each mode named: against XLA's ops in ``tests/differential/``, their choice in
     ``tests/runtime/test_kernel_choice.py``, and the README's main example runs with the user's default.
+    Dynamo's guard-latency metric is not measured (``skip_guard_latency_profiling``).
     """
     global _CACHE_DIR
     os.environ["TPUCOMPILE_FALLBACK"] = "error"
@@ -39,6 +41,7 @@ def pytest_configure(config):
     os.environ["TPUCOMPILE_CACHE_DIR"] = _CACHE_DIR
     os.environ.setdefault("TPUCOMPILE_BUILD_DIR", os.path.join(_CACHE_DIR, "build"))
     settle_vector_math_dispatch()
+    skip_guard_latency_profiling()
 
 
 LONGEST_FIRST = ("tests/artifacts/test_warm_custom_calls.py", "tests/opinfo/", "tests/moduleinfo/",

@@ -460,6 +460,12 @@ def _without(argv: list[str], options: tuple[str, ...]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    if root not in sys.path:  # run as a script: ``tests`` importable as in the test session
+        sys.path.insert(0, root)
+    from tests.dynamo_settings import skip_guard_latency_profiling
+
+    skip_guard_latency_profiling()
     parser = argparse.ArgumentParser(description="OpInfo sweep through backend='tpucompile'")
     parser.add_argument("--dtypes", nargs="+", default=["float32"], choices=list(DTYPES))
     parser.add_argument("--ops", nargs="*", help="OpInfo names (name or name.variant) to run; default all")
