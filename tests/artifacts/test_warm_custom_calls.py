@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import pathlib
 import shutil
 import subprocess
 import sys
@@ -70,22 +71,24 @@ def _rewrite_executables(cache_dir, metadata_update: dict) -> None:
                                             entry.created)))
 
 
-@pytest.fixture(scope="module")
-def cold_host_kernel_run(tmp_path_factory):
-    """The ops compiled cold in one fresh process, every product calling the host kernels: (errors, cache)."""
-    cache = tmp_path_factory.mktemp("cold-host-kernels") / "cache"
-    errors = _run_ops(cache, "read-write", TPUCOMPILE_HOST_KERNELS="on")
+def _cold_run(tmp_path_factory, host_kernels: str) -> tuple[dict[str, float], pathlib.Path]:
+    """The ops compiled cold in one fresh process with ``host_kernels``: (errors, cache)."""
+    cache = tmp_path_factory.mktemp(f"cold-host-kernels-{host_kernels}") / "cache"
+    errors = _run_ops(cache, "read-write", TPUCOMPILE_HOST_KERNELS=host_kernels)
     assert all(error < 1e-4 for error in errors.values()), errors
     return errors, cache
+
+
+@pytest.fixture(scope="module")
+def cold_host_kernel_run(tmp_path_factory):
+    """The cold run with every product calling the host kernels."""
+    return _cold_run(tmp_path_factory, "on")
 
 
 @pytest.fixture(scope="module")
 def cold_xla_run(tmp_path_factory):
-    """The ops compiled cold in one fresh process with XLA's own products: (errors, cache)."""
-    cache = tmp_path_factory.mktemp("cold-xla") / "cache"
-    errors = _run_ops(cache, "read-write", TPUCOMPILE_HOST_KERNELS="off")
-    assert all(error < 1e-4 for error in errors.values()), errors
-    return errors, cache
+    """The cold run with XLA's own products."""
+    return _cold_run(tmp_path_factory, "off")
 
 
 @pytest.mark.parametrize("recorded", [True, False], ids=["recorded-calls", "legacy-entries"])
