@@ -15,7 +15,7 @@ from tpucompile.cache import PersistentCache
 from tpucompile.config import Options
 from tpucompile.debug.step_report import format_step_report, step_report
 from tpucompile.debug.uses import graph_uses
-from tpucompile.driver import executables as driver_executables
+from tpucompile.driver import executable_assembly
 from tpucompile.errors import OptionsError, UnsupportedOpError
 
 TARGET = "tpu:v5e:1x1"
@@ -94,7 +94,7 @@ def test_each_graph_compiled_for_a_target_hands_its_freed_memory_back(monkeypatc
     """After every target compile (not after a cache hit), the heap's free pages go back to the system, so
     that the next graph's compile does not start from what the last one left."""
     released: list[str] = []
-    monkeypatch.setattr(driver_executables, "release_free_memory", lambda: released.append("released") or True)
+    monkeypatch.setattr(executable_assembly, "release_free_memory", lambda: released.append("released") or True)
     with torch.device("meta"):
         net = _Net()
     options = {"targets": [TARGET], "compile_only": True, "cache_dir": str(tmp_path)}

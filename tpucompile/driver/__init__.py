@@ -1,10 +1,11 @@
 """The compile path of one ATen graph: passes → lowering → cache → runtime, handing back the callable that
 runs it.
 
-Its rooms: ``targets`` (the devices a compile is for, resolved once at the backend's entry), ``graphs`` (the
-entry: passes, then one program or compiled regions), ``eager_fallback`` (regions with eager ops between
-them), ``dispatch`` (static, per-bucket or per-shape executables), ``executables`` (loaded for this process,
-compiled for compile-only targets) and ``events`` (observers, the graph recorder, counters).
+Its rooms: ``resolved_targets`` (the devices a compile is for, resolved once at the backend's entry),
+``graphs`` (the entry: passes, then one program or compiled regions), ``eager_fallback`` (regions with eager ops
+between them), ``shape_dispatch`` (static, per-bucket or per-shape executables), ``executable_assembly``
+(loaded for this process, compiled for compile-only targets) and ``events`` (observers, the graph recorder,
+counters).
 """
 
 from tpucompile.driver.events import (
@@ -16,9 +17,9 @@ from tpucompile.driver.events import (
     record_graph,
     set_graph_recorder,
 )
-from tpucompile.driver.executables import load_compiled_graph
+from tpucompile.driver.executable_assembly import load_compiled_graph
 from tpucompile.driver.graphs import compile_graph
-from tpucompile.driver.targets import CompileTargets, custom_ops_lowered_whole, resolve_targets
+from tpucompile.driver.resolved_targets import CompileTargets, custom_ops_lowered_whole, resolve_targets
 
 __all__ = [
     "CompileEvent",

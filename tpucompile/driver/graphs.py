@@ -11,10 +11,10 @@ import torch.fx
 
 from tpucompile import diagnostics
 from tpucompile.config import Options
-from tpucompile.driver.dispatch import compile_region
 from tpucompile.driver.eager_fallback import compile_partitioned
 from tpucompile.driver.events import count_graph, record_graph, recording
-from tpucompile.driver.targets import CompileTargets, resolve_targets
+from tpucompile.driver.resolved_targets import CompileTargets, resolve_targets
+from tpucompile.driver.shape_dispatch import compile_region
 from tpucompile.errors import UnsupportedOpError
 from tpucompile.lowering import jax_bridge
 from tpucompile.lowering.graph import has_data_dependent_size, unsupported_reason

@@ -11,7 +11,7 @@ import torch.fx
 from tpucompile import artifacts
 from tpucompile.config import Options
 from tpucompile.driver.events import count_graph, notify, recording, remember_executable
-from tpucompile.driver.targets import CompileTargets
+from tpucompile.driver.resolved_targets import CompileTargets
 from tpucompile.errors import CompileError, LoweringError, TpuCompileWarning, UnsupportedOpError
 from tpucompile.lowering import LoweredProgram, ShapeBindings
 from tpucompile.lowering.shardy_attributes import program_shardings

@@ -13,8 +13,8 @@ import torch.fx
 
 from tpucompile.config import Options
 from tpucompile.contracts.size_expressions import runtime_symbols
-from tpucompile.driver.executables import build_executable
-from tpucompile.driver.targets import CompileTargets
+from tpucompile.driver.executable_assembly import build_executable
+from tpucompile.driver.resolved_targets import CompileTargets
 from tpucompile.errors import TpuCompileWarning
 from tpucompile.lowering import ShapeBindings, is_symbolic, padding_safety
 from tpucompile.runtime import GraphExecutable, ShapeSpecializer
