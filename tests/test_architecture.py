@@ -8,7 +8,8 @@ A unit (a top-level module or package of ``tpucompile``) may import itself, the 
 order: graph rewrites (``frontend``, ``passes``) load neither MLIR's lowering nor the runtime, not even indirectly;
 ``cache`` knows bytes and keys, never torch; ``serving`` runs exported programs with numpy and jax alone, never
 torch; a lowering rule builds on the shared ``lowering.builder``, never on another rule. The root package's
-``export`` and ``load`` import ``exporting`` when called, never when ``tpucompile`` is imported.
+``export`` and ``load`` import ``exporting`` when called, never when ``tpucompile`` is imported. The tests mirror
+the package: a folder per unit.
 """
 
 from __future__ import annotations
@@ -145,3 +146,21 @@ def test_every_op_kept_whole_has_a_lowering_rule():
 
     missing = [str(op) for op in LOWERED_WHOLE if lookup_rule(op) is None]
     assert not missing, f"kept whole but never lowered: {missing}"
+
+
+TESTS = pathlib.Path(__file__).resolve().parent
+SUITES = {"opinfo", "moduleinfo", "differential", "models", "bench"}
+"""Test folders that are not a unit's: the peer suites, differential tests, library models, benchmarks."""
+TOP_LEVEL_TESTS = {"test_architecture.py", "test_backend.py", "test_eager_reference.py", "test_examples.py",
+                   "test_models.py"}
+"""Test files at the top: the layering, the backend as a user meets it, the eager reference, whole models."""
+
+
+def test_the_tests_mirror_the_package():
+    """A test folder per unit (``tests/<unit>/`` tests ``tpucompile/<unit>/``) or suite; nothing else flat."""
+    units = {path.name for path in PACKAGE.iterdir() if (path / "__init__.py").exists()}
+    folders = {path.name for path in TESTS.iterdir() if path.is_dir() and (path / "__init__.py").exists()}
+    strays = sorted(folders - units - SUITES)
+    assert not strays, f"test folders that name no unit of the package: {strays}"
+    flat = {path.name for path in TESTS.glob("test_*.py")}
+    assert flat <= TOP_LEVEL_TESTS, f"test files that belong in a unit's folder: {sorted(flat - TOP_LEVEL_TESTS)}"
