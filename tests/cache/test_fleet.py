@@ -257,6 +257,33 @@ def test_holder_renews_and_releases(tmp_path, request, remote):
     assert claims.remote.take_lease(KEY, other, lease)["token"] == "other", "released at once"
 
 
+@pytest.mark.parametrize("remote", ["redis", "fsspec"])
+def test_a_lapsed_lease_nobody_took_is_held_again(tmp_path, request, remote):
+    """A holder whose renewal comes late (its process stalled past the lease) and finds the lease gone takes it
+    again when no other host did, so the others go on waiting for its compile."""
+    url = request.getfixturevalue("redis_server")[1] if remote == "redis" else f"file://{tmp_path}"
+    lease = 1.5
+    claims = FleetClaims(GuardedRemote(url, timeout=1), lease_seconds=lease)
+    renew = claims.remote.renew_lease
+    late: list[float] = []
+
+    def late_once(key, holder, seconds):
+        if not late:
+            late.append(time.monotonic())
+            time.sleep(lease + 0.5)  # the first renewal comes after the lease has lapsed
+        return renew(key, holder, seconds)
+
+    claims.remote.renew_lease = late_once
+    other = Holder("other", "h", 2)
+    with claims.claim(KEY, published=lambda: False) as held:
+        assert held
+        while not late:
+            time.sleep(0.05)
+        time.sleep(lease + 0.5 + lease / 2)  # past the late renewal, inside the lease it took again
+        assert claims.remote.take_lease(KEY, other, lease)["token"] != "other", "the lapsed lease was left open"
+    assert claims.remote.take_lease(KEY, other, lease)["token"] == "other", "released at once"
+
+
 def test_waiting_is_bounded(tmp_path, redis_server):
     server, url = redis_server
     holder = FleetClaims(GuardedRemote(url, timeout=1), lease_seconds=1.5)  # held throughout, even under load

@@ -98,11 +98,18 @@ class FleetClaims:
             delay = min(delay * 1.5, self.max_poll)
 
     def _renew(self, key: str, holder: Holder, stop: threading.Event) -> None:
+        """Renew the lease every third of its length until ``stop``. A lease that lapsed while this process
+        stalled is taken again when nobody else took it meanwhile, so other hosts keep waiting for this
+        compile instead of starting their own; when another host took it, that host compiles too."""
         while not stop.wait(self.lease_seconds / 3):
             renewed = self.remote.renew_lease(key, holder, self.lease_seconds)
-            if renewed is False:  # expired and taken over (this process stalled): the other host compiles too
-                log.debug("tpucompile: lost the remote lease of %s while compiling it", key[:16])
-                return
+            if renewed is not False:  # renewed, or the remote did not answer (tried again next time)
+                continue
+            record = self.remote.take_lease(key, holder, self.lease_seconds)
+            if record is None or record.get("token") == holder.token:
+                continue
+            log.debug("tpucompile: lost the remote lease of %s while compiling it", key[:16])
+            return
 
     def _count(self, name: str) -> None:
         with self._lock:
