@@ -3,13 +3,13 @@ replay share one cold run)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
-import subprocess
-import sys
 
-SWEEP = pathlib.Path(__file__).with_name("sweep.py")
+from tests.opinfo import sweep
+
 FLOOR = pathlib.Path(__file__).with_name("floor.json")
 GRADIENT_FLOOR = pathlib.Path(__file__).with_name("gradient_floor.json")
 
@@ -24,10 +24,14 @@ def sweep_env(cache_dir: pathlib.Path, mode: str) -> dict[str, str]:
 def run_sweep(cache_dir: pathlib.Path, mode: str, max_samples: int, out: pathlib.Path, grad: bool = False
               ) -> list[dict]:
     """The float32 OpInfo sweep's first ``max_samples`` of every op (with ``grad``: of every op that supports
-    autograd, forward and input gradients), over two processes, in fresh processes with the cache at
-    ``cache_dir`` in ``mode``; every sample's outcome."""
-    done = subprocess.run([sys.executable, str(SWEEP), "--max-samples", str(max_samples), "--jobs", "2",
-                           "--json", str(out), "--quiet", *(["--grad"] if grad else [])],
-                          capture_output=True, text=True, env=sweep_env(cache_dir, mode), timeout=1500)
-    assert done.returncode == 0, f"{mode} sweep: exit code {done.returncode}\n{done.stderr[-3000:]}"
-    return json.loads(out.read_text())
+    autograd, forward and input gradients), over two fresh processes started from here, with the cache at
+    ``cache_dir`` in ``mode``; every sample's outcome, also written to ``out``."""
+    argv = ["--max-samples", str(max_samples), *(["--grad"] if grad else [])]
+    try:
+        results = sweep.run_in_processes(argv, 2, env=sweep_env(cache_dir, mode), timeout=1500,
+                                           capture=True)
+    except SystemExit as failure:
+        raise AssertionError(f"{mode} sweep: {failure}") from None
+    records = [dataclasses.asdict(r) for r in results]
+    out.write_text(json.dumps(records, indent=0))
+    return records

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import dataclasses
 import json
 import logging
@@ -423,19 +424,30 @@ def _kept_section(path: str) -> str:
     return text[start:end + len(KEPT_END)] if 0 <= start < end else ""
 
 
-def _run_in_processes(argv: list[str], jobs: int) -> list[SampleResult]:
-    """Run the same sweep as ``jobs`` processes over disjoint shards of the OpInfos, and merge their results."""
-    with tempfile.TemporaryDirectory() as folder:
+def run_in_processes(argv: list[str], jobs: int, env: dict[str, str] | None = None, timeout: float | None = None,
+                     capture: bool = False) -> list[SampleResult]:
+    """Run the same sweep as ``jobs`` fresh processes (in ``env``; this one's when None) over disjoint shards of
+    the OpInfos, and merge their results. With ``capture`` their output is kept, and a failing shard's is in
+    the error it raises; shards still running when one fails or ``timeout`` passes are stopped."""
+    with tempfile.TemporaryDirectory() as folder, contextlib.ExitStack() as stack:
         children = []
         for shard in range(jobs):
             out = os.path.join(folder, f"shard{shard}.json")
+            log = stack.enter_context(open(os.path.join(folder, f"shard{shard}.log"), "w+")) if capture else None
             command = [sys.executable, os.path.abspath(__file__), *argv, "--jobs", "1",
                        "--shard", f"{shard}/{jobs}", "--json", out, "--quiet"]
-            children.append((subprocess.Popen(command), out))
+            child = stack.enter_context(subprocess.Popen(command, env=env, stdout=log, stderr=log))
+            stack.callback(lambda child=child: child.poll() is None and child.kill())
+            children.append((child, out, log))
         results = []
-        for child, out in children:
-            if child.wait() != 0:
-                raise SystemExit(f"a sweep shard failed with exit code {child.returncode}")
+        for child, out, log in children:
+            code = child.wait(timeout)
+            if code != 0:
+                output = ""
+                if log is not None:
+                    log.seek(0)
+                    output = ":\n" + log.read()[-3000:]
+                raise SystemExit(f"a sweep shard failed with exit code {code}{output}")
             results += _read_json(out)
     return results
 
@@ -483,7 +495,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.merge:
         results = [r for path in args.merge for r in _read_json(path)]
     elif args.jobs > 1:
-        results = _run_in_processes(_without(argv, ("--jobs", "--json", "--markdown")), args.jobs)
+        results = run_in_processes(_without(argv, ("--jobs", "--json", "--markdown")), args.jobs)
     else:
         opinfos = select_opinfos(args.ops, args.shard)
         results = sweep(opinfos, [DTYPES[d] for d in args.dtypes], args.max_samples, args.progress, args.grad)
