@@ -4,7 +4,6 @@ replay share one cold run)."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import pathlib
 
@@ -32,6 +31,5 @@ def run_sweep(cache_dir: pathlib.Path, mode: str, max_samples: int, out: pathlib
                                            capture=True)
     except SystemExit as failure:
         raise AssertionError(f"{mode} sweep: {failure}") from None
-    records = [dataclasses.asdict(r) for r in results]
-    out.write_text(json.dumps(records, indent=0))
-    return records
+    sweep.write_json(results, out)
+    return [dataclasses.asdict(r) for r in results]

@@ -428,7 +428,8 @@ def run_in_processes(argv: list[str], jobs: int, env: dict[str, str] | None = No
                      capture: bool = False) -> list[SampleResult]:
     """Run the same sweep as ``jobs`` fresh processes (in ``env``; this one's when None) over disjoint shards of
     the OpInfos, and merge their results. With ``capture`` their output is kept, and a failing shard's is in
-    the error it raises; shards still running when one fails or ``timeout`` passes are stopped."""
+    the error it raises; shards still running when one fails or ``timeout`` (for them all) passes are stopped."""
+    deadline = None if timeout is None else time.monotonic() + timeout
     with tempfile.TemporaryDirectory() as folder, contextlib.ExitStack() as stack:
         children = []
         for shard in range(jobs):
@@ -441,7 +442,7 @@ def run_in_processes(argv: list[str], jobs: int, env: dict[str, str] | None = No
             children.append((child, out, log))
         results = []
         for child, out, log in children:
-            code = child.wait(timeout)
+            code = child.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
             if code != 0:
                 output = ""
                 if log is not None:
@@ -450,6 +451,12 @@ def run_in_processes(argv: list[str], jobs: int, env: dict[str, str] | None = No
                 raise SystemExit(f"a sweep shard failed with exit code {code}{output}")
             results += _read_json(out)
     return results
+
+
+def write_json(results: list[SampleResult], path: str | os.PathLike) -> None:
+    """Every sample's outcome as ``--json`` writes it (``_read_json`` reads it back)."""
+    with open(path, "w") as out:
+        json.dump([dataclasses.asdict(r) for r in results], out, indent=0)
 
 
 def _read_json(path: str) -> list[SampleResult]:
@@ -505,8 +512,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{dtype}: " + ", ".join(f"{o} {counter[o]}" for o in OUTCOMES)
                   + f"; pass rate {100 * pass_rate(counter):.1f}%")
     if args.json:
-        with open(args.json, "w") as out:
-            json.dump([dataclasses.asdict(r) for r in results], out, indent=0)
+        write_json(results, args.json)
     if args.markdown:
         command = "python tests/opinfo/sweep.py " + " ".join(_without(argv, ("--markdown",)))
         write_markdown(results, args.markdown, command.strip() + " --markdown " + args.markdown)
