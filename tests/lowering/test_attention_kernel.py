@@ -136,7 +136,11 @@ def test_programs_for_a_tpu_target_call_the_kernel_and_the_cpu_program_does_not(
     on_tpu = [e for e in events if e.target == "tpu:v5e:1x1"]
     on_cpu = [e for e in events if e.target is None]
     assert len(on_tpu) == 2 and len(on_cpu) == 2, [(e.name, e.target) for e in events]
-    kernel_calls = ["tpu_custom_call" in "".join(m.to_string() for m in e.executable.hlo_modules()) for e in on_tpu]
+    # Our kernel's calls are named after the op; XLA's TPU compiler may put a kernel of its own (an
+    # "online-softmax" custom call) into the math form's bf16 products, which is not ours to count.
+    kernel_calls = [any("tpu_custom_call" in line and "%tpucompile.attention" in line
+                        for m in e.executable.hlo_modules() for line in m.to_string().splitlines())
+                    for e in on_tpu]
     assert kernel_calls == [mode == "auto"] * 2
     assert not any("tpu_custom_call" in e.program.text() for e in on_cpu)
 
