@@ -69,6 +69,12 @@ class Options:
     (``linear`` on a (batch, sequence, features) input) as the unmerged tensor, instead of the merge, which
     XLA's padder compiles into packing the actual rows on every call (``lowering/unmerged.py``)."""
 
+    narrow_products: bool = True
+    """bf16/f16 matrix products write their rounded result in their own dtype (accumulated in f32, rounded
+    once), so that no f32 product is kept in memory; products a user widens again, and those with a bias,
+    keep an f32 product and a convert (``lowering/rules/matmul.py``). False: every product is an f32 product
+    and a convert. Results are the same either way up to the order of the f32 sums."""
+
     verify: bool = True
     """Run the MLIR verifier on every lowered module before compiling it."""
 

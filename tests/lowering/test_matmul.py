@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.support import assert_compiles_like_eager
+from tests.support import assert_compiles_like_eager, compile_fn
 
 
 # Low-precision products accumulate in f32 and round once, as eager's CPU kernels do: default tolerances.
@@ -138,3 +138,102 @@ def test_matmul_of_mixed_results_trains_like_eager():
         fn, torch.randn(4, 3, 8), torch.randn(16, 8), torch.randn(16), torch.randn(16, 2), grad=True,
         atol=5e-5, rtol=1e-4,  # gradients through two products and tanh: f32 sums in another order
     )
+
+
+def _product_lines(fn, *args, narrow_products=True):
+    """The StableHLO ``dot_general`` lines of ``fn``'s ATen graph (``make_fx``: mm/bmm reach the rules as
+    they are)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from tpucompile.lowering import lower_graph
+
+    program = lower_graph(make_fx(fn)(*args), narrow_products=narrow_products)
+    return [line for line in program.text(debug_info=False).splitlines() if "stablehlo.dot_general" in line]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_low_precision_products_are_written_narrow_and_rounded_once(dtype):
+    short = {torch.bfloat16: "bf16", torch.float16: "f16"}[dtype]
+    a, b, c = torch.randn(8, 4096), torch.randn(4096, 16), torch.randn(3, 8, 4096)
+
+    def products(a, b, c):
+        return a @ b, torch.bmm(c, b.expand(3, 4096, 16))
+
+    args = [t.to(dtype) for t in (a, b, c)]
+    lines = _product_lines(products, *args)
+    assert len(lines) == 2 and all(line.endswith(f"{short}>") for line in lines), lines
+    assert all(line.endswith("f32>") for line in _product_lines(products, *args, narrow_products=False))
+    # accumulated in f32: a sum of 4096 ones is exact (a narrow accumulator stops at 256 or 2048)
+    ones = [torch.ones(8, 4096, dtype=dtype), torch.ones(4096, 16, dtype=dtype), torch.ones(3, 8, 4096, dtype=dtype)]
+    for total in compile_fn(products)(*ones):
+        assert total.dtype == dtype and bool((total == 4096).all()), total
+    assert_compiles_like_eager(products, *args)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_a_product_widened_by_a_user_keeps_its_f32_product(dtype):
+    """A bf16 product that a user converts to f32 (through views) is computed as an f32 product and a
+    convert, which XLA folds into the widening; a product with a bias rounds once after adding it."""
+    a, b, bias = (torch.randn(8, 64).to(dtype), torch.randn(64, 16).to(dtype), torch.randn(16).to(dtype))
+
+    def widened(a, b):
+        return (a @ b).t().reshape(-1).float()
+
+    def with_bias(bias, a, b):
+        return torch.addmm(bias, a, b)
+
+    assert all(line.endswith("f32>") for line in _product_lines(widened, a, b))
+    assert all(line.endswith("f32>") for line in _product_lines(with_bias, bias, a, b))
+    assert_compiles_like_eager(widened, a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_narrow_products_switch_differential(dtype):
+    """``narrow_products`` on and off against float64 eager, forward and every gradient, on a block with
+    products in every position (projections, scores widened for a softmax, their backward): each is as close
+    to float64 as eager in ``dtype`` is (twice its error at most, with a floor of one rounding step).
+
+    Not bitwise against eager: the off form rounds each product where eager does; the on form is the same
+    products written narrow, and XLA moves the roundings of the backward's elementwise ops differently
+    around them, so a few gradient elements land one or two rounding steps from eager's (as often nearer
+    float64 as farther)."""
+
+    def block(x, w1, w2):
+        h = torch.tanh(x @ w1)
+        scores = torch.softmax(torch.bmm(h, h.transpose(1, 2)).float() / 8, dim=-1).to(h.dtype)
+        return torch.bmm(scores, h) @ w2
+
+    def run(fn, as_dtype):
+        leaves = [t.to(as_dtype).requires_grad_() for t in inputs]
+        out = fn(*leaves)
+        out.double().square().sum().backward()
+        return [out.detach().double(), *[t.grad.double() for t in leaves]]
+
+    step = torch.finfo(dtype).eps
+    for seed in range(2):
+        torch.manual_seed(seed)
+        inputs = [torch.randn(2, 32, 64), torch.randn(64, 64) / 8, torch.randn(64, 16) / 8]
+        exact, eager = run(block, torch.float64), run(block, dtype)
+        for narrow in (True, False):
+            compiled = run(compile_fn(block, narrow_products=narrow), dtype)
+            for name, got, want, own in zip(("output", "x", "w1", "w2"), compiled, exact, eager, strict=True):
+                tolerance = max(2 * (own - want).abs().max().item(), step * want.abs().max().item())
+                error = (got - want).abs().max().item()
+                assert error <= tolerance, (f"narrow_products={narrow}, seed {seed}: {name} is {error:.3g} from "
+                                            f"float64, eager {dtype} {(own - want).abs().max().item():.3g}")
+
+
+def test_narrow_products_switch_is_in_the_cache_key(tmp_path):
+    """A program stored with one setting is never served for the other (the key holds the option), and each
+    is found again under its own."""
+    import tpucompile
+
+    a, b = torch.randn(8, 64).bfloat16(), torch.randn(64, 16).bfloat16()
+
+    def compiles(narrow):
+        torch._dynamo.reset()
+        before = tpucompile.stats()["total"]["compiles"]
+        compile_fn(torch.mm, narrow_products=narrow, cache_dir=str(tmp_path))(a, b)
+        return tpucompile.stats()["total"]["compiles"] - before
+
+    assert [compiles(True), compiles(False), compiles(True), compiles(False)] == [1, 1, 0, 0]

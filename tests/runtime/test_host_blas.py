@@ -123,6 +123,32 @@ def test_bf16_products_accumulate_in_f32(targets):
     np.testing.assert_allclose(got, exact, rtol=1e-5, atol=1e-4)
 
 
+def test_bf16_results_are_the_f32_product_rounded_once(targets):
+    """A product written in bf16 (the form bf16 matrix products lower to) calls the same f32-accumulating
+    kernel and rounds its result: bitwise the f32 product rounded to bf16."""
+    import ml_dtypes
+
+    with_blas, _ = targets
+    if "bf16" not in with_blas.host_blas.dtypes:
+        pytest.skip("this BLAS has no bf16 x bf16 -> f32 product")
+
+    def product(a, b):
+        return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.bfloat16)
+
+    module = _module(product, ((16, 256), jnp.bfloat16), ((8, 256), jnp.bfloat16))
+    rewritten = _as_text(kernel_choice.apply(module, with_blas, None))
+    assert _calls(rewritten) == 1 and "stablehlo.convert" in rewritten, rewritten
+    a = RNG.standard_normal((16, 256)).astype(ml_dtypes.bfloat16)
+    b = RNG.standard_normal((8, 256)).astype(ml_dtypes.bfloat16)
+    loaded = compile_module(module, with_blas)
+    got = np.asarray(loaded.execute([jax.device_put(a, with_blas.device), jax.device_put(b, with_blas.device)])[0])
+    assert got.dtype == ml_dtypes.bfloat16
+    f32 = (a.astype(np.float64) @ b.astype(np.float64).T).astype(np.float32)
+    # f32 sums in another order than f64's may round across a bf16 boundary: at most one bf16 step apart.
+    np.testing.assert_allclose(got.astype(np.float32), f32, rtol=2 ** -7, atol=1e-6)
+    assert (got.astype(np.float32) == f32.astype(ml_dtypes.bfloat16).astype(np.float32)).mean() > 0.95
+
+
 def test_linear_layers_read_weights_without_copying_them(targets):
     """``x @ w.T`` must not materialise ``w.T``: the kernel's transpose flag reads ``w`` where it lies."""
     with_blas, _ = targets

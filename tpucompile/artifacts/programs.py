@@ -51,7 +51,8 @@ def lowered_program(
                 and lowered.donated_kinds == donate):
             return dataclasses.replace(lowered, cache_key=None)
         with jax_bridge.target_platform(target.platform):
-            return lower_graph(gm, bindings, verify=options.verify, donate=donate)
+            return lower_graph(gm, bindings, verify=options.verify, donate=donate,
+                               narrow_products=options.narrow_products)
 
     try:
         graph, locations = encode_graph(gm, bindings, values=True)
@@ -61,7 +62,8 @@ def lowered_program(
         return program, digest(program.text(debug_info=False)), None
     ops = {node.target for node in gm.graph.nodes if node.op == "call_function"}
     components = program_key_components(graph, environment(target), locations, sorted(donate),
-                                        custom_ops.key_component(ops, target.platform))
+                                        custom_ops.key_component(ops, target.platform),
+                                        {"narrow_products": options.narrow_products})
     key = cache_key(components)
     found = program_from_key(key, options)
     if found is not None:

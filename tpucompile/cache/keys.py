@@ -89,18 +89,20 @@ def executable_key_components(
 
 def program_key_components(
     graph: str, environment: Mapping[str, Any], locations: str, donated: Sequence[str] = (),
-    jax_lowerings: Sequence[Sequence[str]] = (),
+    jax_lowerings: Sequence[Sequence[str]] = (), lowering: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Components of an ATen graph → StableHLO key: the graph's canonical digest, the environment, the
     digest of the source locations the program carries (so a cached program never shows stale lines), the
-    kinds of marked arguments it donates, and the JAX lowerings registered for its custom ops (name,
-    platform, digest of the function's source: the graph names the op, not what lowers it)."""
+    kinds of marked arguments it donates, the JAX lowerings registered for its custom ops (name,
+    platform, digest of the function's source: the graph names the op, not what lowers it), and the
+    options that change how ops are lowered (``lowering``)."""
     return {
         "kind": "program",
         "graph": graph,
         "locations": locations,
         "donated": list(donated),
         "jax_lowerings": [list(entry) for entry in jax_lowerings],
+        "lowering": dict(lowering or {}),
         **{name: environment[name] for name in ENVIRONMENT_COMPONENTS},
     }
 

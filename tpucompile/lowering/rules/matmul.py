@@ -1,5 +1,13 @@
 """Matrix products. bf16/f16 products accumulate in f32 (as PyTorch's kernels and TPUs' MXUs do) and round
-once: the dot's result type is f32 and a convert follows, which XLA fuses into the dot."""
+once.
+
+A plain product (``mm``, ``bmm``) is one ``dot_general`` whose result type is the narrow dtype: the hardware
+accumulates in f32 and writes the rounded product. The other form, an f32 product and a ``convert``, rounds
+the same way, but XLA's TPU compiler may move that convert into the consumers and keep the f32 product in
+HBM, at twice the bytes (a residual stream of f32 layer outputs read back in the backward). The f32 form is
+kept where it is better: a product a user widens again (an f32 loss or norm reads it; its f32 product then
+feeds that user), a product with a bias (``addmm``: the bias is added before the one rounding), and
+everywhere with ``narrow_products=False`` (``LoweringContext.narrow_products``)."""
 
 from __future__ import annotations
 
@@ -12,34 +20,70 @@ from tpucompile.lowering.registry import register_rule
 aten = torch.ops.aten
 
 
+_VIEWS = frozenset({
+    aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.t.default, aten.transpose.int,
+    aten.permute.default, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default,
+    aten.expand.default, aten.clone.default, aten.alias.default,
+})
+"""Ops that pass a product's values on unchanged, through which a widening user is looked for."""
+
+_WIDENING = frozenset({torch.ops.prims.convert_element_type.default, aten._to_copy.default})
+
+
 def _dot(lhs, rhs, contracting, batch, out_dtype):
     lhs, rhs = builder.convert(lhs, out_dtype), builder.convert(rhs, out_dtype)
     product = builder.dot_general(lhs, rhs, contracting, batch, out_dtype=builder.accumulator_dtype(out_dtype))
     return product
 
 
+def _rounded_dot(ctx, lhs, rhs, contracting, batch):
+    """The product in the node's dtype, accumulated in its accumulator dtype and rounded once: written narrow
+    where the accumulator is wider, unless the product is widened again by a user."""
+    dtype = ctx.aval_out.dtype
+    if (ctx.narrow_products and builder.accumulator_dtype(dtype) != dtype
+            and not _widened_by_a_user(ctx.node, dtype)):
+        lhs, rhs = builder.convert(lhs, dtype), builder.convert(rhs, dtype)
+        return builder.dot_general(lhs, rhs, contracting, batch, out_dtype=dtype)
+    return builder.convert(_dot(lhs, rhs, contracting, batch, dtype), dtype)
+
+
+def _widened_by_a_user(node, dtype: torch.dtype) -> bool:
+    """Whether a user of ``node``, directly or through views, converts it to a float dtype wider than
+    ``dtype``."""
+    pending, seen = list(node.users), set()
+    while pending:
+        user = pending.pop()
+        if user in seen or user.op != "call_function":
+            continue
+        seen.add(user)
+        if user.target in _VIEWS:
+            pending.extend(user.users)
+        elif user.target in _WIDENING:
+            wider = user.meta.get("val")
+            if (isinstance(wider, torch.Tensor) and wider.dtype.is_floating_point
+                    and wider.dtype.itemsize > dtype.itemsize):
+                return True
+    return False
+
+
 @register_rule(aten.mm.default)
 def _mm(ctx, a, b):
-    dtype = ctx.aval_out.dtype
-    return builder.convert(_dot(a, b, ((1,), (0,)), ((), ()), dtype), dtype)
+    return _rounded_dot(ctx, a, b, ((1,), (0,)), ((), ()))
 
 
 @register_rule(aten.bmm.default)
 def _bmm(ctx, a, b):
-    dtype = ctx.aval_out.dtype
-    return builder.convert(_dot(a, b, ((2,), (1,)), ((0,), (0,)), dtype), dtype)
+    return _rounded_dot(ctx, a, b, ((2,), (1,)), ((0,), (0,)))
 
 
 @register_rule(aten.dot.default, aten.vdot.default)
 def _vector_dot(ctx, a, b):
-    dtype = ctx.aval_out.dtype
-    return builder.convert(_dot(a, b, ((0,), (0,)), ((), ()), dtype), dtype)
+    return _rounded_dot(ctx, a, b, ((0,), (0,)), ((), ()))
 
 
 @register_rule(aten.mv.default)
 def _mv(ctx, a, b):
-    dtype = ctx.aval_out.dtype
-    return builder.convert(_dot(a, b, ((1,), (0,)), ((), ()), dtype), dtype)
+    return _rounded_dot(ctx, a, b, ((1,), (0,)), ((), ()))
 
 
 def _add_bias(ctx, bias, product, beta, alpha):

@@ -3,7 +3,8 @@
 A dot qualifies when it is a (batched) matrix product the kernel computes on row-major buffers without
 moving data: batch dimensions leading and in order in both operands, one contracting dimension that is the
 first or the last non-batch dimension, the free dimensions contiguous and in the order the result keeps
-them, dtypes the kernel has (f32, f64, bf16 x bf16 -> f32) and sizes that fit 32-bit BLAS integers. Such a
+them, dtypes the kernel has (f32, f64, bf16 x bf16 -> f32, and bf16 x bf16 -> bf16 as that product rounded
+after the call) and sizes that fit 32-bit BLAS integers. Such a
 dot becomes reshape → custom call → reshape; the reshapes only regroup dimensions, so XLA makes them
 bitcasts. An operand that is a ``stablehlo.transpose`` is read through it whenever that qualifies (a ``Linear``'s
 ``x @ w.T`` reads ``w`` with the kernel's transpose flag instead of copying it): XLA cannot fold a transpose
@@ -35,8 +36,9 @@ def dot_replacements(dtypes: frozenset[str]) -> dict[str, Callable[[Any], bool]]
     return {"stablehlo.dot_general": lambda dot: _replace(dot, dtypes)}
 
 
-_KERNEL_DTYPES = {("f32", "f32", "f32"): "f32", ("f64", "f64", "f64"): "f64", ("bf16", "bf16", "f32"): "bf16"}
-"""(lhs, rhs, result) element types → the kernel that computes them."""
+_KERNEL_DTYPES = {("f32", "f32", "f32"): "f32", ("f64", "f64", "f64"): "f64", ("bf16", "bf16", "f32"): "bf16",
+                  ("bf16", "bf16", "bf16"): "bf16"}
+"""(lhs, rhs, result) element types → the kernel that computes them (a bf16 result: its f32 one, rounded)."""
 
 
 def _replace(dot: Any, dtypes: frozenset[str]) -> bool:
@@ -71,8 +73,11 @@ def _replace(dot: Any, dtypes: frozenset[str]) -> bool:
     with ir.InsertionPoint(dot), dot.location:
         lhs3 = hlo.reshape(ir.RankedTensorType.get(lhs_shape, lhs_type.element_type), lhs_value)
         rhs3 = hlo.reshape(ir.RankedTensorType.get(rhs_shape, rhs_type.element_type), rhs_value)
-        call = ffi_call(TARGET_NAME, [ir.RankedTensorType.get([batch, m, n], out_type.element_type)],
+        accumulated = ir.F32Type.get() if elements == ("bf16", "bf16", "bf16") else out_type.element_type
+        call = ffi_call(TARGET_NAME, [ir.RankedTensorType.get([batch, m, n], accumulated)],
                         [lhs3, rhs3], {"transpose_lhs": transpose_lhs, "transpose_rhs": transpose_rhs}).result
+        if accumulated != out_type.element_type:
+            call = hlo.convert(ir.RankedTensorType.get([batch, m, n], out_type.element_type), call)
         result = hlo.reshape(out_type, call)
     dot.results[0].replace_all_uses_with(result)
     dot.erase()
