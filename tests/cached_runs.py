@@ -16,6 +16,8 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+from tests import python_processes
+
 WORKLOAD = pathlib.Path(__file__).with_name("workload.py")
 FULL_FAULTS_FLAG = "TPUCOMPILE_FULL_FAULTS"
 
@@ -46,7 +48,7 @@ def workload_env(cache_dir: pathlib.Path | str, **extra: str) -> dict[str, str]:
 
 
 def start_workload(env: Mapping[str, str], args: Sequence[str] = (), cwd: str | None = None) -> subprocess.Popen:
-    return subprocess.Popen(
+    return python_processes.popen(
         [sys.executable, str(WORKLOAD), *args], env=dict(env), cwd=cwd, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True,
     )

@@ -21,6 +21,8 @@ import sys
 
 import pytest
 
+from tests import python_processes
+
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
 
 # Lines (prefixes, in order) each example must print; every "max |compiled - eager| = X" is also checked.
@@ -89,7 +91,7 @@ def run_example_main(script: str, env: dict[str, str] | None = None) -> subproce
     """Import ``examples/<script>`` in a fresh interpreter and call its ``main()``."""
     module = script.removesuffix(".py")
     code = f"import sys; sys.path.insert(0, {EXAMPLES!r}); import {module}; {module}.main()"
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+    return python_processes.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
                           env={**os.environ, **(env or {})})
 
 

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests import python_processes
 from tests.cached_runs import compile_and_run
 from tpucompile import cli
 from tpucompile.cache import PersistentCache
@@ -237,7 +238,7 @@ with torch.no_grad():
 
 
 def _cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tpucompile", *args], capture_output=True, text=True, env=env,
+    return python_processes.run([sys.executable, "-m", "tpucompile", *args], capture_output=True, text=True, env=env,
                           timeout=300)
 
 

@@ -7,12 +7,12 @@ import json
 import logging
 import pathlib
 import shutil
-import subprocess
 import sys
 
 import pytest
 import torch
 
+from tests import python_processes
 from tests.cached_runs import compile_and_run, workload_env
 from tests.opinfo.runs import run_sweep
 from tpucompile.cache import Entry, LocalStore, decode, encode
@@ -53,7 +53,7 @@ print(json.dumps(errors))
 def _run_ops(cache_dir, mode: str, *args: str, **settings: str) -> dict[str, float]:
     env = workload_env(cache_dir, TPUCOMPILE_CACHE_MODE=mode, TPUCOMPILE_FALLBACK="error", PYTHONFAULTHANDLER="1",
                        **settings)  # a crash names its frame in the failure
-    done = subprocess.run([sys.executable, "-u", "-c", _OPS, *args], capture_output=True, text=True, env=env,
+    done = python_processes.run([sys.executable, "-u", "-c", _OPS, *args], capture_output=True, text=True, env=env,
                           timeout=600)
     assert done.returncode == 0, f"exit code {done.returncode}:\n{done.stderr[-3000:]}"
     return json.loads(done.stdout.strip().splitlines()[-1])

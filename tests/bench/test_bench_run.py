@@ -6,15 +6,16 @@ import importlib.util
 import json
 import math
 import pathlib
-import subprocess
 import sys
+
+from tests import python_processes
 
 _RUN = pathlib.Path(__file__).resolve().parents[2] / "bench" / "run.py"
 
 
 def test_cells_take_turns_and_every_cell_is_reported(tmp_path):
     out = tmp_path / "bench"
-    done = subprocess.run(
+    done = python_processes.run(
         [sys.executable, str(_RUN), "--models", "mlp", "--backends", "eager,tpucompile", "--iters", "4",
          "--rounds", "2", "--warmup", "1", "--budget", "5", "--out", str(out)],
         capture_output=True, text=True, timeout=600,

@@ -7,10 +7,11 @@ from __future__ import annotations
 import importlib.util
 import json
 import pathlib
-import subprocess
 import sys
 
 import pytest
+
+from tests import python_processes
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
                                 reason='libtpu is not installed (pip install "tpucompile[tpu]")')
@@ -19,7 +20,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 def test_a_small_llama_step_is_planned_with_its_figures(tmp_path):
     out = tmp_path / "plan.json"
-    finished = subprocess.run(
+    finished = python_processes.run(
         [sys.executable, str(ROOT / "bench" / "plan_tpu.py"), "--model", "tiny", "--layers", "1",
          "--target", "tpu:v5e:2x2", "--mesh", "data=4", "--shard", "fsdp", "--batch", "4", "--length", "64",
          "--json", str(out)],

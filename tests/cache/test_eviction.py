@@ -10,6 +10,7 @@ import sys
 
 import torch
 
+from tests import python_processes
 from tests.cached_runs import compile_and_run, fault_repetitions, report
 from tpucompile.cache import Entry, PersistentCache, encode
 
@@ -113,9 +114,9 @@ def test_prune_while_other_processes_read(cache_dir):
     cap = count * 100_000 // 3
     x, y = torch.randn(3, 4), torch.randn(4, 5)
     compile_and_run(_graph, x, y)  # this process's first compile sets up XLA: not the part under test
-    pruner = subprocess.Popen([sys.executable, "-c", _PRUNER, str(cache_dir), str(count), str(cap), str(seconds)],
+    pruner = python_processes.popen([sys.executable, "-c", _PRUNER, str(cache_dir), str(count), str(cap), str(seconds)],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    readers = [subprocess.Popen([sys.executable, "-c", _READER, str(cache_dir), str(count), str(seconds)],
+    readers = [python_processes.popen([sys.executable, "-c", _READER, str(cache_dir), str(count), str(seconds)],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
     compiles = wrong_compiles = recompiled = 0
     while pruner.poll() is None:

@@ -21,6 +21,7 @@ import warnings
 import pytest
 import torch
 
+from tests import python_processes
 from tests.cached_runs import compile_and_run, fault_repetitions, report
 from tpucompile.cache import Entry, LocalStore, decode, encode
 from tpucompile.cache.entry import MAGIC, read_header
@@ -256,7 +257,7 @@ def test_read_only_directory_is_read_never_written(cache_dir):
         pytest.skip("running as root without setpriv: chmod cannot take write permission away")
     # the warm entry comes from a fresh process too: keys hold process-wide state (custom ops and JAX
     # lowerings other tests registered), which the reading process must share with the writer
-    warm = subprocess.run([sys.executable, "-c", _WARM_RUN], capture_output=True, text=True, timeout=300,
+    warm = python_processes.run([sys.executable, "-c", _WARM_RUN], capture_output=True, text=True, timeout=300,
                           cwd=os.getcwd())
     assert warm.returncode == 0, warm.stderr[-3000:]
     before = _snapshot(cache_dir)

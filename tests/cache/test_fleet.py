@@ -29,6 +29,7 @@ import time
 
 import pytest
 
+from tests import python_processes
 from tests.cached_runs import start_redis_server
 from tpucompile.cache.fleet import FleetClaims
 from tpucompile.cache.remote import FsspecStore, GuardedRemote
@@ -53,7 +54,7 @@ class Fleet:
         plan = self.root / f"{name}.json"
         plan.write_text(json.dumps({"signals": str(self.signals), "steps": steps}))
         env = {k: v for k, v in os.environ.items() if not k.startswith("TPUCOMPILE_CACHE")}
-        return subprocess.Popen([sys.executable, "-m", "tests.cache.fleet_host", str(plan)], cwd=REPO, env=env,
+        return python_processes.popen([sys.executable, "-m", "tests.cache.fleet_host", str(plan)], cwd=REPO, env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
     def wait_for(self, pattern: str, count: int, timeout: float = 180) -> None:

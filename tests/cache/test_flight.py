@@ -8,6 +8,7 @@ import sys
 import threading
 import time
 
+from tests import python_processes
 from tests.cached_runs import finish, start_workload, workload_env
 from tpucompile.cache.flight import SingleFlight
 
@@ -61,7 +62,7 @@ with flight.claim(sys.argv[3]):
 
 
 def _holder(tmp_path, lease: float) -> subprocess.Popen:
-    holder = subprocess.Popen([sys.executable, "-c", _HOLDER, str(tmp_path), str(lease), KEY],
+    holder = python_processes.popen([sys.executable, "-c", _HOLDER, str(tmp_path), str(lease), KEY],
                               stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "holding"
     return holder

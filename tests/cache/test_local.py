@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 
+from tests import python_processes
 from tests.cached_runs import entry_payload, fault_repetitions, report
 from tpucompile.cache import Entry, LocalStore, PersistentCache, decode, encode
 
@@ -48,7 +49,7 @@ def test_sigkilled_writers_leave_no_torn_entry(tmp_path):
     thread.start()
     try:
         for trial in range(writers):
-            writer = subprocess.Popen([sys.executable, "-c", _WRITER, str(tmp_path), str(trial)],
+            writer = python_processes.popen([sys.executable, "-c", _WRITER, str(tmp_path), str(trial)],
                                       stdout=subprocess.PIPE, text=True)
             assert writer.stdout.readline().strip() == "ready"
             time.sleep(rng.uniform(0.0, 0.25))

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
+from tests import python_processes
 from tests.cached_runs import WORKLOAD, workload_env
 from tpucompile import cli
 from tpucompile.cache import Entry, PersistentCache
@@ -75,10 +75,10 @@ def test_unknown_key_is_an_error_not_a_crash(filled, capsys):
 def test_warm_reports_hits_and_expect_all_hits(tmp_path):
     env = workload_env(tmp_path / "cache")
     command = [sys.executable, "-m", "tpucompile", "warm", "--json", "--expect-all-hits", str(WORKLOAD)]
-    cold = subprocess.run(command, env=env, capture_output=True, text=True, timeout=180)
+    cold = python_processes.run(command, env=env, capture_output=True, text=True, timeout=180)
     assert cold.returncode == 1, cold.stderr[-2000:]
     assert "expect-all-hits" in cold.stderr
-    warm = subprocess.run(command, env=env, capture_output=True, text=True, timeout=180)
+    warm = python_processes.run(command, env=env, capture_output=True, text=True, timeout=180)
     assert warm.returncode == 0, warm.stderr[-2000:]
     report = json.loads(warm.stdout[warm.stdout.index("{\n"):])
     assert report["misses"] == 0 and report["hits"] == 1 and report["hits_by_tier"]["local"] == 1

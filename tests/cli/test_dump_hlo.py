@@ -17,6 +17,7 @@ from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import stablehlo
 from jax.interpreters import mlir as jax_mlir
 
+from tests import python_processes
 from tpucompile import cli
 from tpucompile.cache import cache_key
 
@@ -29,7 +30,7 @@ LOC = re.compile(r'loc\("(?P<op>[^"]+)"\("(?P<file>[^"]+)":(?P<line>\d+):(?P<col
 
 
 def run_cli(*args: str, env: dict[str, str], cwd: str | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tpucompile", "dump-hlo", *args], capture_output=True, text=True,
+    return python_processes.run([sys.executable, "-m", "tpucompile", "dump-hlo", *args], capture_output=True, text=True,
                           env=env, cwd=cwd, timeout=300)
 
 
@@ -191,7 +192,7 @@ def test_dump_dir_variable_dumps_any_program(tmp_path, env):
                       "f = torch.compile(lambda x: torch.sin(x) * 2, backend='tpucompile')\n"
                       "print(f(torch.ones(3)))\n")
     out = tmp_path / "dump"
-    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+    result = python_processes.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
                             env={**env, "TPUCOMPILE_DUMP_DIR": str(out)})
     assert result.returncode == 0, result.stderr
     assert set(FILES) - {"fx_rewrite_attention.txt"} <= {p.name for p in (out / "000-inference").iterdir()}

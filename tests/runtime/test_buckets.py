@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import tpucompile
+from tests import python_processes
 from tests.support import assert_close_tree
 from tpucompile import driver
 from tpucompile.config import Options
@@ -367,23 +368,23 @@ def test_warm_fills_every_bucket_so_a_server_never_compiles(tmp_path):
     strict mode (any compile is an error) then serves sizes from 3 to 64 and compiles nothing, and ``cache stats``
     counts its bucket hits."""
     import json
-    import subprocess
 
     script = tmp_path / "server.py"
     script.write_text(_SERVER)
     cache = tmp_path / "cache"
     env = {k: v for k, v in os.environ.items() if not k.startswith("TPUCOMPILE_")}
-    warm = subprocess.run([sys.executable, "-m", "tpucompile", "warm", "--json", "--dir", str(cache), "--buckets",
+    warm = python_processes.run([sys.executable, "-m", "tpucompile", "warm", "--json", "--dir", str(cache), "--buckets",
                            "16,32,64", "--target", "tpu:v5e:2x2", str(script), "5"],
                           env=env, capture_output=True, text=True, timeout=300)
     assert warm.returncode == 0, warm.stderr[-3000:]
     report = json.loads(warm.stdout[warm.stdout.index("{\n"):])
     assert report["buckets_filled"] == 2 and report["targets"]["tpu:v5e:2x2"]["compiled"] == 3
-    serve = subprocess.run([sys.executable, str(script), "3", "17", "40", "64", "9"], capture_output=True, text=True,
-                           env={**env, "TPUCOMPILE_CACHE_DIR": str(cache), "TPUCOMPILE_CACHE_MODE": "strict",
-                                "TPUCOMPILE_DYNAMIC_MODE": "bucket", "TPUCOMPILE_BUCKETS": "16,32,64"}, timeout=300)
+    serving = {**env, "TPUCOMPILE_CACHE_DIR": str(cache), "TPUCOMPILE_CACHE_MODE": "strict",
+               "TPUCOMPILE_DYNAMIC_MODE": "bucket", "TPUCOMPILE_BUCKETS": "16,32,64"}
+    serve = python_processes.run([sys.executable, str(script), "3", "17", "40", "64", "9"], capture_output=True,
+                                 text=True, env=serving, timeout=300)
     assert serve.returncode == 0 and "served" in serve.stdout, serve.stderr[-3000:]
-    stats = subprocess.run([sys.executable, "-m", "tpucompile", "cache", "stats", "--json", "--dir", str(cache)],
+    stats = python_processes.run([sys.executable, "-m", "tpucompile", "cache", "stats", "--json", "--dir", str(cache)],
                            env=env, capture_output=True, text=True, timeout=120)
     figures = json.loads(stats.stdout[stats.stdout.index("{"):])
     assert figures["graph_compiles"] == 3  # the warm run's: the server compiled nothing

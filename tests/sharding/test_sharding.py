@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import tpucompile
+from tests import python_processes
 from tests.support import compile_fn
 from tpucompile import (
     Mesh,
@@ -370,7 +371,7 @@ def _environment(tmp_path) -> dict[str, str]:
 def gpt_runs(tmp_path_factory):
     """DP, TP and DP x TP runs of the GPT example on 8 virtual CPU devices, in one fresh process."""
     tmp_path = tmp_path_factory.mktemp("sharding")
-    result = subprocess.run([sys.executable, WORKER, "gpt"], capture_output=True, text=True, timeout=900,
+    result = python_processes.run([sys.executable, WORKER, "gpt"], capture_output=True, text=True, timeout=900,
                             env=_environment(tmp_path), cwd=HERE)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
@@ -464,7 +465,7 @@ def _two_processes(scenario: str, tmp_path, *extra: str) -> list[dict]:
     """Run ``scenario`` of the worker as processes 0 and 1, on loopback; their JSON reports."""
     port = _free_port()
     environ = _environment(tmp_path)
-    workers = [subprocess.Popen([sys.executable, WORKER, scenario, str(i), str(port), str(tmp_path / "cache"),
+    workers = [python_processes.popen([sys.executable, WORKER, scenario, str(i), str(port), str(tmp_path / "cache"),
                                  *extra],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environ, cwd=HERE)
                for i in range(2)]
@@ -521,7 +522,7 @@ def test_dtensor_placements_are_the_plan(tmp_path):
 def test_llama_example_runs_on_a_mesh(tmp_path):
     environ = _environment(tmp_path)
     environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-    result = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "llama.py"), "--mesh",
+    result = python_processes.run([sys.executable, os.path.join(ROOT, "examples", "llama.py"), "--mesh",
                              "data=2,model=4"], capture_output=True, text=True, timeout=900, env=environ)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     assert "agreement with one device" in result.stdout, result.stdout
