@@ -193,12 +193,10 @@ class ForkedProcess:
         deadline = None if timeout is None else time.monotonic() + timeout
         while b"\n" not in self._buffer:
             remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-            if remaining == 0.0:
-                raise subprocess.TimeoutExpired(self.args, timeout)
-            self._connection.settimeout(remaining)
+            self._connection.settimeout(remaining)  # 0.0: one read of what has arrived, without waiting
             try:
                 chunk = self._connection.recv(4096)
-            except TimeoutError:
+            except (TimeoutError, BlockingIOError):
                 raise subprocess.TimeoutExpired(self.args, timeout) from None
             if not chunk:
                 raise RuntimeError(f"the process server ended before {self.args} did")

@@ -152,8 +152,9 @@ TESTS = pathlib.Path(__file__).resolve().parent
 SUITES = {"opinfo", "moduleinfo", "differential", "models", "bench"}
 """Test folders that are not a unit's: the peer suites, differential tests, library models, benchmarks."""
 TOP_LEVEL_TESTS = {"test_architecture.py", "test_backend.py", "test_eager_reference.py", "test_examples.py",
-                   "test_models.py"}
-"""Test files at the top: the layering, the backend as a user meets it, the eager reference, whole models."""
+                   "test_models.py", "test_python_processes.py"}
+"""Test files at the top: the layering, the backend as a user meets it, the eager reference and the forked
+processes the tests run in, whole models."""
 
 
 def test_the_tests_mirror_the_package():
