@@ -165,9 +165,9 @@ def test_low_precision_products_are_written_narrow_and_rounded_once(dtype):
     assert all(line.endswith("f32>") for line in _product_lines(products, *args, narrow_products=False))
     # accumulated in f32: a sum of 4096 ones is exact (a narrow accumulator stops at 256 or 2048)
     ones = [torch.ones(8, 4096, dtype=dtype), torch.ones(4096, 16, dtype=dtype), torch.ones(3, 8, 4096, dtype=dtype)]
-    for total in compile_fn(products)(*ones):
+    for total in compile_fn(products, narrow_products=True)(*ones):
         assert total.dtype == dtype and bool((total == 4096).all()), total
-    assert_compiles_like_eager(products, *args)
+    assert_compiles_like_eager(products, *args, narrow_products=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
@@ -184,7 +184,7 @@ def test_a_product_widened_by_a_user_keeps_its_f32_product(dtype):
 
     assert all(line.endswith("f32>") for line in _product_lines(widened, a, b))
     assert all(line.endswith("f32>") for line in _product_lines(with_bias, bias, a, b))
-    assert_compiles_like_eager(widened, a, b)
+    assert_compiles_like_eager(widened, a, b, narrow_products=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)

@@ -86,7 +86,7 @@ def lower_graph(
     bindings: ShapeBindings | None = None,
     verify: bool = True,
     donate: frozenset[str] = frozenset(),
-    narrow_products: bool = True,
+    narrow_products: bool = False,
 ) -> LoweredProgram:
     """Lower ``gm`` (a functional ATen graph) to StableHLO for the sizes in ``bindings``; arguments marked
     donatable with a kind in ``donate`` are donated to a result of their shape and dtype. ``narrow_products``:

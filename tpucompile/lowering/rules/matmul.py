@@ -1,13 +1,14 @@
 """Matrix products. bf16/f16 products accumulate in f32 (as PyTorch's kernels and TPUs' MXUs do) and round
 once.
 
-A plain product (``mm``, ``bmm``) is one ``dot_general`` whose result type is the narrow dtype: the hardware
-accumulates in f32 and writes the rounded product. The other form, an f32 product and a ``convert``, rounds
-the same way, but XLA's TPU compiler may move that convert into the consumers and keep the f32 product in
-HBM, at twice the bytes (a residual stream of f32 layer outputs read back in the backward). The f32 form is
-kept where it is better: a product a user widens again (an f32 loss or norm reads it; its f32 product then
-feeds that user), a product with a bias (``addmm``: the bias is added before the one rounding), and
-everywhere with ``narrow_products=False`` (``LoweringContext.narrow_products``)."""
+By default a product is a ``dot_general`` with an f32 result and a ``convert`` to the narrow dtype. With
+``narrow_products``, a plain product (``mm``, ``bmm``) is one ``dot_general`` whose result type is the narrow
+dtype: the hardware accumulates in f32 and writes the rounded product. Both round the same way, but XLA's TPU
+compiler may move the convert into the consumers and keep the f32 product in HBM, at twice the bytes (a
+residual stream of f32 layer outputs read back in the backward). Even then the f32 form is kept for a
+product a user widens again (an f32 loss or norm reads its f32 product) and a product with a bias
+(``addmm``: the bias is added before the one rounding). Off by default: measured on the TPU target, the
+narrow form saves cycles but can cost bytes and peak memory (``docs/benchmarks.md``)."""
 
 from __future__ import annotations
 
