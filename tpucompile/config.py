@@ -74,8 +74,8 @@ class Options:
     once), so that no f32 product is kept in memory; products a user widens again, and those with a bias,
     keep an f32 product and a convert (``lowering/rules/matmul.py``). False (the default): every product is
     an f32 product and a convert. Results are the same either way up to the order of the f32 sums. Off by
-    default as measured on the TPU target (``docs/benchmarks.md``): XLA's estimated cycles fall 2-4% on most
-    bf16 training rows, but HBM bytes and peak memory of Llama steps rise by up to 13% and 10%."""
+    default as measured on the TPU target (``docs/benchmarks.md``): XLA's estimated cycles fall 2-7% on six
+    of eight bf16 rows, but the HBM bytes and peak memory of Llama steps rise by up to 13% and 10%."""
 
     verify: bool = True
     """Run the MLIR verifier on every lowered module before compiling it."""
