@@ -44,10 +44,15 @@ def pytest_configure(config):
     skip_guard_latency_profiling()
 
 
-LONGEST_FIRST = ("tests/artifacts/test_warm_custom_calls.py", "tests/opinfo/", "tests/moduleinfo/",
-                 "tests/sharding/test_sharding.py", "tests/test_examples.py")
-"""Files that take minutes (sweeps in subprocesses, examples): collected first, so that parallel workers
-(pytest-xdist hands out whole files in collection order) start them while the short files fill the rest."""
+LONGEST_FIRST = ("tests/artifacts/test_warm_custom_calls.py", "tests/test_examples.py", "tests/moduleinfo/",
+                 "tests/sharding/test_sharding.py", "tests/differential/", "tests/opinfo/",
+                 "tests/runtime/test_buckets.py", "tests/lowering/test_attention_kernel.py",
+                 "tests/lowering/test_grid_sample.py", "tests/artifacts/test_compile_targets.py",
+                 "tests/cache/test_fleet.py")
+"""The files that take longest, longest first (a full run's per-file times, 40-250 s each): collected first,
+so that the parallel workers start them while the short files fill the rest. pytest-xdist hands out whole
+files in collection order (``--no-loadscope-reorder``: by default it reorders them by their number of
+tests)."""
 
 
 def pytest_collection_modifyitems(session, config, items):

@@ -8,6 +8,7 @@ the child would be what a new interpreter gives: its environment differs from th
 read after the imports (``TPUCOMPILE_*``, ``XLA_FLAGS``: read when jax starts its backend, which the server
 never does); anything else (another ``PYTHONHASHSEED``, ``JAX_*`` or ``TORCH_*`` settings read at import, an
 interpreter flag, piped stdin) starts a real process, as does everything with ``TESTS_FORKED_PROCESSES=0``.
+``TESTS_FORKED_PROCESSES_LOG=FILE`` appends a line per request to FILE: forked, or real and why.
 Tests about what a process imports or its hash seed use ``subprocess`` directly.
 """
 
@@ -32,7 +33,7 @@ from typing import Any
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 _SAFE_PREFIXES = ("TPUCOMPILE_", "PYTEST_")
-_SAFE_NAMES = frozenset({"XLA_FLAGS"})
+_SAFE_NAMES = frozenset({"XLA_FLAGS", "TESTS_FORKED_PROCESSES", "TESTS_FORKED_PROCESSES_LOG"})
 _STARTUP_SECONDS = 180.0
 
 
@@ -63,9 +64,20 @@ def popen(args: Sequence[str], *, env: Mapping[str, str] | None = None, cwd: str
     full_env = dict(os.environ if env is None else env)
     request = _request(list(args), full_env, os.fspath(cwd) if cwd is not None else os.getcwd())
     server = _server() if request is not None else None
-    if server is None or not _safe(full_env, server.env):
+    unsafe = _unsafe(full_env, server.env) if server is not None else []
+    _log(args, "command" if request is None else "no server" if server is None else unsafe)
+    if server is None or unsafe:
         return subprocess.Popen(list(args), env=full_env, cwd=cwd, stdout=stdout, stderr=stderr, text=text)
     return ForkedProcess(server.path, list(args), request, stdout, stderr, text)
+
+
+def _log(args: Sequence[str], why_real: Any) -> None:
+    path = os.environ.get("TESTS_FORKED_PROCESSES_LOG")
+    if path:
+        with open(path, "a") as log:
+            where = os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0]
+            log.write(json.dumps({"test": where, "forked": not why_real, "why_real": why_real or None,
+                                  "command": [str(a)[:60] for a in args[1:3]]}) + "\n")
 
 
 def _request(args: list[str], env: dict[str, str], cwd: str) -> dict[str, Any] | None:
@@ -88,12 +100,10 @@ def _request(args: list[str], env: dict[str, str], cwd: str) -> dict[str, Any] |
     return {"kind": kind, "target": target, "args": arguments, "env": env, "cwd": cwd, "unbuffered": unbuffered}
 
 
-def _safe(env: Mapping[str, str], server_env: Mapping[str, str]) -> bool:
-    """Whether every variable in which ``env`` and the server's differ is read only after the imports."""
-    for name in set(env) ^ set(server_env) | {n for n in env if n in server_env and env[n] != server_env[n]}:
-        if not (name.startswith(_SAFE_PREFIXES) or name in _SAFE_NAMES):
-            return False
-    return True
+def _unsafe(env: Mapping[str, str], server_env: Mapping[str, str]) -> list[str]:
+    """The variables in which ``env`` and the server's differ that may be read before the imports end."""
+    differing = set(env) ^ set(server_env) | {n for n in env if n in server_env and env[n] != server_env[n]}
+    return sorted(n for n in differing if not (n.startswith(_SAFE_PREFIXES) or n in _SAFE_NAMES))
 
 
 class _Server:
