@@ -12,6 +12,7 @@ and reports each child's pid when it starts and its wait status when it ends on 
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import json
 import os
 import runpy
@@ -101,6 +102,8 @@ def _run_child(request: dict, fds: list[int]) -> None:
     os.environ.clear()
     os.environ.update(request["env"])
     numpy.random.seed()  # as a process of its own would be: not the server's global generator
+    if os.environ.get("PYTHONFAULTHANDLER"):
+        faulthandler.enable()  # as the interpreter does at start-up with this variable
     if request.get("unbuffered"):
         sys.stdout.reconfigure(write_through=True)
         sys.stderr.reconfigure(write_through=True)

@@ -6,8 +6,9 @@
 commands ``[sys.executable, ...]`` with ``-c``, ``-m`` or a script (and ``-u``). A request is forked only when
 the child would be what a new interpreter gives: its environment differs from the server's only in variables
 read after the imports (``TPUCOMPILE_*``, ``XLA_FLAGS``: read when jax starts its backend, which the server
-never does); anything else (another ``PYTHONHASHSEED``, ``JAX_*`` or ``TORCH_*`` settings read at import, an
-interpreter flag, piped stdin) starts a real process, as does everything with ``TESTS_FORKED_PROCESSES=0``.
+never does; ``PYTHONFAULTHANDLER``, which the child applies as the interpreter would). Anything else (another
+``PYTHONHASHSEED``, ``JAX_*`` or ``TORCH_*`` settings read at import, an interpreter flag, piped stdin)
+starts a real process, as does everything with ``TESTS_FORKED_PROCESSES=0``.
 ``TESTS_FORKED_PROCESSES_LOG=FILE`` appends a line per request to FILE: forked, or real and why.
 Tests about what a process imports or its hash seed use ``subprocess`` directly.
 """
@@ -33,7 +34,7 @@ from typing import Any
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 _SAFE_PREFIXES = ("TPUCOMPILE_", "PYTEST_")
-_SAFE_NAMES = frozenset({"XLA_FLAGS", "TESTS_FORKED_PROCESSES", "TESTS_FORKED_PROCESSES_LOG"})
+_SAFE_NAMES = frozenset({"XLA_FLAGS", "PYTHONFAULTHANDLER", "TESTS_FORKED_PROCESSES", "TESTS_FORKED_PROCESSES_LOG"})
 _STARTUP_SECONDS = 180.0
 
 

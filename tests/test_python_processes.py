@@ -41,6 +41,11 @@ def test_a_forked_child_is_the_requested_process(tmp_path):
     failed = python_processes.run([sys.executable, "-c", "raise ValueError('named')"], capture_output=True,
                                   text=True, timeout=120)
     assert failed.returncode == 1 and "ValueError: named" in failed.stderr
+    faults = {**os.environ, "PYTHONFAULTHANDLER": "1"}
+    with python_processes.popen([sys.executable, "-c", "import faulthandler; print(faulthandler.is_enabled())"],
+                                env=faults, stdout=subprocess.PIPE, text=True) as process:
+        assert isinstance(process, python_processes.ForkedProcess)
+        assert process.communicate(timeout=120)[0] == "True\n"
 
 
 def test_status_poll_timeout_and_signals_reach_the_child():
