@@ -5,8 +5,9 @@
 ``run`` and ``popen`` take the arguments of ``subprocess.run`` / ``subprocess.Popen`` that the tests use, for
 commands ``[sys.executable, ...]`` with ``-c``, ``-m`` or a script (and ``-u``). A request is forked only when
 the child would be what a new interpreter gives: its environment differs from the server's only in variables
-read after the imports (``TPUCOMPILE_*``, ``XLA_FLAGS``: read when jax starts its backend, which the server
-never does; ``PYTHONFAULTHANDLER``, which the child applies as the interpreter would). Anything else (another
+read after the imports (``TPUCOMPILE_*``; ``XLA_FLAGS`` and ``ALLOW_MULTIPLE_LIBTPU_LOAD``, read when jax starts
+a backend or libtpu loads, which the server never does; ``PYTHONFAULTHANDLER``, which the child applies as the
+interpreter would). Anything else (another
 ``PYTHONHASHSEED``, ``JAX_*`` or ``TORCH_*`` settings read at import, an interpreter flag, piped stdin)
 starts a real process, as does everything with ``TESTS_FORKED_PROCESSES=0``.
 ``TESTS_FORKED_PROCESSES_LOG=FILE`` appends a line per request to FILE: forked, or real and why.
@@ -34,7 +35,8 @@ from typing import Any
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 _SAFE_PREFIXES = ("TPUCOMPILE_", "PYTEST_")
-_SAFE_NAMES = frozenset({"XLA_FLAGS", "PYTHONFAULTHANDLER", "TESTS_FORKED_PROCESSES", "TESTS_FORKED_PROCESSES_LOG"})
+_SAFE_NAMES = frozenset({"XLA_FLAGS", "ALLOW_MULTIPLE_LIBTPU_LOAD", "PYTHONFAULTHANDLER", "TESTS_FORKED_PROCESSES",
+                         "TESTS_FORKED_PROCESSES_LOG"})
 _STARTUP_SECONDS = 180.0
 
 
