@@ -45,16 +45,14 @@ def main(path: str) -> None:
     while True:
         for _key, _ in selector.select(timeout=0.02):
             connection, _ = listener.accept()
-            pid = _start(connection, listener, selector, children)
-            if pid is not None:
-                children[pid] = connection
+            children[_start(connection, listener, selector, children)] = connection
         _reap(children)
         if os.getppid() == 1:  # the test process that started this server is gone
             return
 
 
 def _start(connection: socket.socket, listener: socket.socket, selector: selectors.BaseSelector,
-           children: dict[int, socket.socket]) -> int | None:
+           children: dict[int, socket.socket]) -> int:
     message, fds, _, _ = socket.recv_fds(connection, MAX_REQUEST, STREAMS)
     size = int.from_bytes(message[:8], "big")
     while len(message) < 8 + size:

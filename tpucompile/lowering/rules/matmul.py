@@ -31,21 +31,21 @@ _VIEWS = frozenset({
 _WIDENING = frozenset({torch.ops.prims.convert_element_type.default, aten._to_copy.default})
 
 
-def _dot(lhs, rhs, contracting, batch, out_dtype):
+def _dot(lhs, rhs, contracting, batch, out_dtype, accumulated=True):
+    """The product of operands taken in ``out_dtype``: with ``accumulated``, its result is in the accumulator
+    dtype (f32 for bf16/f16); else in ``out_dtype`` itself, the dot rounding its f32 sums once."""
     lhs, rhs = builder.convert(lhs, out_dtype), builder.convert(rhs, out_dtype)
-    product = builder.dot_general(lhs, rhs, contracting, batch, out_dtype=builder.accumulator_dtype(out_dtype))
-    return product
+    result_dtype = builder.accumulator_dtype(out_dtype) if accumulated else out_dtype
+    return builder.dot_general(lhs, rhs, contracting, batch, out_dtype=result_dtype)
 
 
 def _rounded_dot(ctx, lhs, rhs, contracting, batch):
     """The product in the node's dtype, accumulated in its accumulator dtype and rounded once: written narrow
     where the accumulator is wider, unless the product is widened again by a user."""
     dtype = ctx.aval_out.dtype
-    if (ctx.narrow_products and builder.accumulator_dtype(dtype) != dtype
-            and not _widened_by_a_user(ctx.node, dtype)):
-        lhs, rhs = builder.convert(lhs, dtype), builder.convert(rhs, dtype)
-        return builder.dot_general(lhs, rhs, contracting, batch, out_dtype=dtype)
-    return builder.convert(_dot(lhs, rhs, contracting, batch, dtype), dtype)
+    narrow = (ctx.narrow_products and builder.accumulator_dtype(dtype) != dtype
+              and not _widened_by_a_user(ctx.node, dtype))
+    return builder.convert(_dot(lhs, rhs, contracting, batch, dtype, accumulated=not narrow), dtype)
 
 
 def _widened_by_a_user(node, dtype: torch.dtype) -> bool:
