@@ -15,7 +15,11 @@ the package: a folder per unit.
 from __future__ import annotations
 
 import ast
+import collections
 import pathlib
+import sys
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -165,3 +169,69 @@ def test_the_tests_mirror_the_package():
     assert not strays, f"test folders that name no unit of the package: {strays}"
     flat = {path.name for path in TESTS.glob("test_*.py")}
     assert flat <= TOP_LEVEL_TESTS, f"test files that belong in a unit's folder: {sorted(flat - TOP_LEVEL_TESTS)}"
+
+
+MOST_ENTRIES_PER_ROOM = 4
+"""How many distinct call sites may hand a compile's options into one module: more means a room is climbed back
+into from all over the pipeline, the sign of a setting worked out again where it is used."""
+
+
+def _options_flow(run: Callable[[], Any]) -> list[tuple[str, str]]:
+    """(caller module, callee module) for each distinct cross-module call into a ``tpucompile`` function given the
+    compile's ``Options`` while ``run`` runs; the caller is the nearest frame given them too (the backend's entry,
+    "backend", when none is)."""
+    from tpucompile.config import Options
+
+    root = str(PACKAGE) + "/"
+    stack: list[str | None] = []
+    calls: list[tuple[str, str, str]] = []
+
+    def module_given_options(frame: Any) -> str | None:
+        code = frame.f_code
+        if not code.co_filename.startswith(root):
+            return None
+        arguments = code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]
+        if not any(isinstance(frame.f_locals.get(name), Options) for name in arguments):
+            return None
+        return code.co_filename[len(root):]
+
+    def profile(frame: Any, event: str, _: Any) -> None:
+        if event == "call":
+            module = module_given_options(frame)
+            if module is not None:
+                caller = next((m for m in reversed(stack) if m is not None), "backend.py")
+                if caller != module and (caller, module, frame.f_code.co_name) not in calls:
+                    calls.append((caller, module, frame.f_code.co_name))
+            stack.append(module)
+        elif event == "return" and stack:
+            stack.pop()
+
+    sys.setprofile(profile)
+    try:
+        run()
+    finally:
+        sys.setprofile(None)
+    return [(caller, module) for caller, module, _ in calls]
+
+
+def _unit_of_file(relative: str) -> str:
+    return relative.split("/")[0].removesuffix(".py")
+
+
+def test_options_are_worked_out_once_and_flow_down(cache_dir):
+    """Follow the options of a training compile from the backend's entry: every module they reach is entered
+    from a handful of places at most, and always from upstream (targets and cache tiers are resolved once, at
+    the entry, and handed down as a record)."""
+    import torch
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU())
+    compiled = torch.compile(model, backend="tpucompile", options={"cache_dir": str(cache_dir)})
+    flow = _options_flow(lambda: compiled(torch.randn(4, 8)).sum().backward())
+
+    assert ("driver/resolved_targets.py", "artifacts/stores.py") in flow  # the flow was followed at all
+    entries = collections.Counter(module for _, module in flow)
+    crowded = {module: count for module, count in entries.items() if count > MOST_ENTRIES_PER_ROOM}
+    assert not crowded, f"options enter these modules from more than {MOST_ENTRIES_PER_ROOM} places: {crowded}"
+    climbs = [(caller, module) for caller, module in flow
+              if ORDER.index(_unit_of_file(module)) < ORDER.index(_unit_of_file(caller))]
+    assert not climbs, f"options handed back up the pipeline: {climbs}"

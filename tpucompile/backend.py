@@ -65,7 +65,7 @@ def tpucompile_backend(
         compiled = plan_replay.compiled_from_plan(components, config, f"graph {index}", targets)
         if compiled is not None:
             return compiled
-        recorder = plan_replay.PlanRecorder(components, config, len(example_inputs))
+        recorder = plan_replay.PlanRecorder(components, targets.tiers, len(example_inputs))
 
     uses = graph_input_uses(gm, example_inputs)
 

@@ -155,9 +155,9 @@ def _describe(tensor: torch.Tensor) -> list[Any]:
 class PlanRecorder:
     """Collects what the compilers AOTAutograd calls produced, and stores the plan once it is complete."""
 
-    def __init__(self, components: dict[str, Any], options: Options, input_count: int) -> None:
+    def __init__(self, components: dict[str, Any], tiers: artifacts.ArtifactTiers, input_count: int) -> None:
         self.components = components
-        self.options = options
+        self.tiers = tiers
         self.input_count = input_count
         self.roles: dict[str, dict[str, Any]] = {}
         self.start = time.perf_counter()
@@ -256,7 +256,7 @@ class PlanRecorder:
             self.runner = _training_runner(self.roles, self.executables["forward"], self.executables["backward"])
         else:
             self.runner = _inference_runner(self.executables["inference"])
-        artifacts.store_plan(self.components, plan, time.perf_counter() - self.start, self.options)
+        artifacts.store_plan(self.components, plan, time.perf_counter() - self.start, self.tiers)
 
 
 _PLAIN_OUTPUTS = ("non_alias", "unsafe_view_alias")
@@ -281,7 +281,7 @@ def _outputs(gm: torch.fx.GraphModule) -> list[Any]:
 def compiled_from_plan(components: dict[str, Any], options: Options, name: str, targets: driver.CompileTargets
                        ) -> Callable[..., Any] | None:
     """The callable Dynamo needs for the graph of ``components``, built from a cached plan; None without one."""
-    found = artifacts.load_plan(components, options)
+    found = artifacts.load_plan(components, targets.tiers)
     if found is None:
         return None
     plan, _ = found

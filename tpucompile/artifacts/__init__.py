@@ -20,15 +20,17 @@ from tpucompile.artifacts.fingerprint import Uncacheable, encode_argument, encod
 from tpucompile.artifacts.other_targets import TargetOutcome, compile_for_target
 from tpucompile.artifacts.plans import load_plan, store_plan
 from tpucompile.artifacts.programs import lowered_program, program_from_key
-from tpucompile.artifacts.stores import clear_memory, executable_cache, persistent_cache
+from tpucompile.artifacts.stores import ArtifactTiers, artifact_tiers, clear_memory, executable_cache, persistent_cache
 from tpucompile.artifacts.usage import record_at_exit
 
 record_at_exit()
 
 __all__ = [
+    "ArtifactTiers",
     "LoadedExecutable",
     "TargetOutcome",
     "Uncacheable",
+    "artifact_tiers",
     "clear_memory",
     "compile_for_target",
     "encode_argument",

@@ -46,7 +46,7 @@ class LoadedExecutable:
 
 
 def executable_components(
-    program: LoweredProgram, program_sha256: str, target: Target, options: Options
+    program: LoweredProgram, program_sha256: str, target: Target, host_kernels: str
 ) -> dict[str, Any]:
     return executable_key_components(
         program_sha256,
@@ -54,7 +54,7 @@ def executable_components(
         [spec_json(s) for s in program.result_specs],
         compile_options_fingerprint(compile_options(target)),
         environment(target),
-        _host_ops(program, program_sha256, target, options.host_kernels),
+        _host_ops(program, program_sha256, target, host_kernels),
     )
 
 
@@ -70,31 +70,32 @@ def _host_ops(program: LoweredProgram, program_sha256: str, target: Target, mode
 
 
 def load_executable(
-    program: LoweredProgram, program_sha256: str, target: Target, options: Options, name: str
+    program: LoweredProgram, program_sha256: str, target: Target, options: Options, tiers: stores.ArtifactTiers,
+    name: str,
 ) -> LoadedExecutable:
     """The loaded executable of ``program``: from memory, the local directory or the remote, or compiled
     now (by one process at a time per key) and published."""
-    components = executable_components(program, program_sha256, target, options)
+    components = executable_components(program, program_sha256, target, options.host_kernels)
     key = cache_key(components)
     start = time.perf_counter()
-    loaded = stores.executables.get(key, **stores.held_by(options))
+    loaded = tiers.get(stores.executables, key)
     if loaded is not None:
         return LoadedExecutable(loaded, key, components, "memory", time.perf_counter() - start, 0.0)
-    cache = stores.persistent_cache(options)
+    cache = tiers.persistent
     found = _load_persistent(cache, key, target) if cache is not None else None
     if found is None:
-        if options.cache_mode == "strict":
+        if tiers.strict:
             raise CacheMissError(miss_message(name, key, components, cache))
         claim = cache.claim(key) if cache is not None else nullcontext(True)
         with claim:
-            loaded = stores.executables.get(key, **stores.held_by(options))
+            loaded = tiers.get(stores.executables, key)
             if loaded is not None:
                 return LoadedExecutable(loaded, key, components, "memory", time.perf_counter() - start, 0.0)
             found = _load_persistent(cache, key, target) if cache is not None else None
             if found is None:
-                return _compile(program, target, name, key, components, cache, start, options)
+                return _compile(program, target, name, key, components, start, tiers)
     loaded, entry, tier = found
-    stores.executables.put(key, loaded, **stores.held_by(options))
+    tiers.put(stores.executables, key, loaded)
     seconds = time.perf_counter() - start
     saved = max(0.0, entry.compile_seconds - seconds)
     if cache is not None:
@@ -137,14 +138,14 @@ def _compile(
     name: str,
     key: str,
     components: dict[str, Any],
-    cache: PersistentCache | None,
     start: float,
-    options: Options,
+    tiers: stores.ArtifactTiers,
 ) -> LoadedExecutable:
+    cache = tiers.persistent
     compile_start = time.perf_counter()
     loaded = compile_module(program.bytecode(), target, host_ops=components["host_ops"])
     compile_seconds = time.perf_counter() - compile_start
-    stores.executables.put(key, loaded, **stores.held_by(options))
+    tiers.put(stores.executables, key, loaded)
     if cache is not None:
         cache.record_miss()
         if log.isEnabledFor(logging.DEBUG):

@@ -44,25 +44,25 @@ class TargetOutcome:
 
 
 def compile_for_target(
-    program: LoweredProgram, program_sha256: str, target: Target, options: Options, name: str,
-    keep_executable: bool = False,
+    program: LoweredProgram, program_sha256: str, target: Target, options: Options, tiers: stores.ArtifactTiers,
+    name: str, keep_executable: bool = False,
 ) -> TargetOutcome:
     """The executable of ``program`` for compile-only ``target``, from the cache or compiled now and stored
     under the key a host of that target computes for it. ``keep_executable`` compiles even on a hit, so that
     the caller can read the optimised HLO (the executable cannot be loaded here). For a program partitioned
     over ``options.mesh``, the report says how each result is laid out (``result_dims``), as a run on the
     target's devices would find it."""
-    components = executable_components(program, program_sha256, target, options)
+    components = executable_components(program, program_sha256, target, options.host_kernels)
     key = cache_key(components)
     start = time.perf_counter()
-    cache = stores.persistent_cache(options)
+    cache = tiers.persistent
     found = cache.get(key) if cache is not None else None
     if found is not None and not keep_executable:
         entry, tier = found
         cache.record_hit(key, entry.compile_seconds)
         return TargetOutcome(str(target.name), key, components, tier, time.perf_counter() - start,
                              entry.compile_seconds, dict(entry.metadata.get("report") or {}))
-    if found is None and options.cache_mode == "strict":
+    if found is None and tiers.strict:
         raise CacheMissError(miss_message(f"{name} for {target.name}", key, components, cache))
     with mlir_context():
         module = ir.Module.parse(program.bytecode())  # a copy: compiling may change the module it is given

@@ -8,16 +8,15 @@ from typing import Any
 
 from tpucompile.artifacts import stores
 from tpucompile.cache import Entry, cache_key, canonical_json
-from tpucompile.config import Options
 
 
-def load_plan(components: Mapping[str, Any], options: Options) -> tuple[dict[str, Any], str] | None:
+def load_plan(components: Mapping[str, Any], tiers: stores.ArtifactTiers) -> tuple[dict[str, Any], str] | None:
     """(plan, tier) stored under ``components``' key (see ``tpucompile.plan_replay``), or None."""
     key = cache_key(components)
-    plan = stores.plans.get(key, **stores.held_by(options))
+    plan = tiers.get(stores.plans, key)
     if plan is not None:
         return plan, "memory"
-    cache = stores.persistent_cache(options)
+    cache = tiers.persistent
     found = cache.get(key) if cache is not None else None
     if found is None:
         return None
@@ -31,15 +30,16 @@ def load_plan(components: Mapping[str, Any], options: Options) -> tuple[dict[str
     except Exception as error:
         cache.quarantine(key, f"plan entry does not load: {type(error).__name__}: {error}")
         return None
-    stores.plans.put(key, plan, **stores.held_by(options))
+    tiers.put(stores.plans, key, plan)
     cache.record_hit(key, entry.compile_seconds, "plan")
     return plan, tier
 
 
-def store_plan(components: Mapping[str, Any], plan: dict[str, Any], seconds: float, options: Options) -> None:
+def store_plan(components: Mapping[str, Any], plan: dict[str, Any], seconds: float,
+               tiers: stores.ArtifactTiers) -> None:
     """Keep ``plan`` in memory and, when the cache is writable, as a JSON entry (never pickle)."""
-    stores.plans.put(cache_key(components), plan, **stores.held_by(options))
-    cache = stores.persistent_cache(options)
+    tiers.put(stores.plans, cache_key(components), plan)
+    cache = tiers.persistent
     if cache is not None:
         cache.record_miss("plan")
         if cache.writable:

@@ -37,6 +37,7 @@ def lowered_program(
     bindings: ShapeBindings,
     target: Target,
     options: Options,
+    tiers: stores.ArtifactTiers,
     lowered: LoweredProgram | None = None,
 ) -> tuple[LoweredProgram, str, str | None]:
     """The lowered program of ``gm``: (program, SHA-256 of its text without locations, the tier it came
@@ -65,16 +66,16 @@ def lowered_program(
                                         custom_ops.key_component(ops, target.platform),
                                         {"narrow_products": options.narrow_products})
     key = cache_key(components)
-    found = program_from_key(key, options)
+    found = program_from_key(key, tiers)
     if found is not None:
         return found
-    cache = stores.persistent_cache(options)
+    cache = tiers.persistent
     start = time.perf_counter()
     program = lower()
     seconds = time.perf_counter() - start
     program_sha256 = digest(program.text(debug_info=False))
     program.cache_key = key
-    stores.programs.put(key, (program, program_sha256), **stores.held_by(options))
+    tiers.put(stores.programs, key, (program, program_sha256))
     metadata = _program_metadata(program, program_sha256)
     if cache is not None:
         cache.record_miss("program")
@@ -83,12 +84,12 @@ def lowered_program(
     return program, program_sha256, None
 
 
-def program_from_key(key: str, options: Options) -> tuple[LoweredProgram, str, str] | None:
+def program_from_key(key: str, tiers: stores.ArtifactTiers) -> tuple[LoweredProgram, str, str] | None:
     """(program, SHA-256 of its text without locations, tier) for a stored program key, or None."""
-    cached = stores.programs.get(key, **stores.held_by(options))
+    cached = tiers.get(stores.programs, key)
     if cached is not None:
         return cached[0], cached[1], "memory"
-    cache = stores.persistent_cache(options)
+    cache = tiers.persistent
     found = cache.get(key) if cache is not None else None
     if found is None:
         return None
@@ -99,7 +100,7 @@ def program_from_key(key: str, options: Options) -> tuple[LoweredProgram, str, s
             raise ValueError(f"entry of kind {entry.kind!r}")
         program = _program_from_entry(entry)
         program.cache_key = key
-        stores.programs.put(key, (program, entry.metadata["program_sha256"]), **stores.held_by(options))
+        tiers.put(stores.programs, key, (program, entry.metadata["program_sha256"]))
         cache.record_hit(key, entry.compile_seconds - (time.perf_counter() - start), "program")
         return program, entry.metadata["program_sha256"], tier
     except Exception as error:  # valid bytes, unusable content: never serve it

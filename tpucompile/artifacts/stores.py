@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
-from typing import Any
+from typing import Any, TypeVar
 
 from tpucompile.cache import MemoryStore, PersistentCache, default_root
 from tpucompile.config import Options, parse_size
@@ -18,6 +19,39 @@ plans: MemoryStore[dict[str, Any]] = MemoryStore(Options().executable_cache_size
 host_op_choices: dict[tuple[str, int, str], tuple[str, ...]] = {}
 """The host-kernel choices of each program on each target, once per process (``executables``)."""
 _caches: dict[tuple, PersistentCache | None] = {}
+V = TypeVar("V")
+
+
+@dataclasses.dataclass(frozen=True)
+class ArtifactTiers:
+    """Where the artifacts of one option set live, resolved from its options once per compile: its share of the
+    process's memory tiers and the persistent cache the options name.
+
+    A torch.compile option belongs to the model it is given for, so the memory tiers hold a model's entries
+    for its option set, which keeps at most its own ``executable_cache_size`` executables, programs and plans:
+    one model's small limit never drops another model's entries (equal options share one bound)."""
+
+    option_set: Options
+    """The options these tiers were resolved from: what makes two option sets' tiers equal."""
+    limit: int
+    persistent: PersistentCache | None
+    """The local directory and remote, None when ``cache_mode`` is "off" (or the directory is unusable)."""
+    strict: bool
+    """Whether a missing executable is an error (``cache_mode="strict"``) instead of compiled now."""
+
+    def get(self, store: MemoryStore[V], key: str) -> V | None:
+        """The value ``store`` keeps under ``key``, now held by this option set too; None when absent."""
+        return store.get(key, group=self, limit=self.limit)
+
+    def put(self, store: MemoryStore[V], key: str, value: V) -> None:
+        """Keep ``value`` in ``store`` under ``key`` for this option set."""
+        store.put(key, value, group=self, limit=self.limit)
+
+
+def artifact_tiers(options: Options) -> ArtifactTiers:
+    """The tiers a compile with ``options`` finds and keeps its artifacts in."""
+    return ArtifactTiers(options, options.executable_cache_size, persistent_cache(options),
+                         options.cache_mode == "strict")
 
 
 def persistent_cache(options: Options) -> PersistentCache | None:
@@ -48,14 +82,6 @@ def persistent_cache(options: Options) -> PersistentCache | None:
 def open_caches() -> list[PersistentCache | None]:
     """The persistent caches this process has opened."""
     return list(_caches.values())
-
-
-def held_by(options: Options) -> dict[str, Any]:
-    """Who holds what a model puts in or finds in the memory tiers: its option set, which keeps at most its own
-    ``executable_cache_size`` executables, programs and plans. A torch.compile option belongs to the model it is
-    given for, so one model's small limit never drops another model's entries (models compiled with equal
-    options share one bound)."""
-    return {"group": options, "limit": options.executable_cache_size}
 
 
 def executable_cache() -> MemoryStore[Any]:

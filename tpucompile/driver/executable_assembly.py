@@ -29,14 +29,14 @@ def build_executable(
     """``gm`` at ``bindings`` lowered, compiled for every target and loaded for this process's devices; in a
     compile-only run, only compiled for the targets (what runs here then gives results their shapes alone)."""
     target = targets.lowered_for
-    program, program_sha256, program_tier = artifacts.lowered_program(gm, bindings, target, options)
+    program, program_sha256, program_tier = artifacts.lowered_program(gm, bindings, target, options, targets.tiers)
     if options.compile_only:  # for the targets only: nothing is compiled or run for this process
         layouts = _compile_for_targets(gm, bindings, program, program_sha256, targets, options, name)
         if layouts is not None and options.shard is not None:  # the backward takes what it saves as laid out
             record_layouts(gm, program.output_plan, layouts, options.shard)
         return ShapeOnlyExecutable(program.output_plan, [(s.shape, s.dtype) for s in program.result_specs],
                                    _output_devices(gm))
-    loaded = artifacts.load_executable(program, program_sha256, target, options, name)
+    loaded = artifacts.load_executable(program, program_sha256, target, options, targets.tiers, name)
     notify(name, gm, program, program_tier, loaded)
     _compile_for_targets(gm, bindings, program, program_sha256, targets, options, name)
     executable = _executable(program, loaded, target, constants, name)
@@ -51,12 +51,12 @@ def load_compiled_graph(program_key: str, options: Options, name: str, targets: 
                         ) -> GraphExecutable | None:
     """The executable of a graph compiled before, rebuilt from its stored program alone (a warm start that
     skips AOTAutograd has no ATen graph); None when the program is no longer stored."""
-    found = artifacts.program_from_key(program_key, options)
+    found = artifacts.program_from_key(program_key, targets.tiers)
     if found is None:
         return None
     program, program_sha256, program_tier = found
     count_graph()
-    loaded = artifacts.load_executable(program, program_sha256, targets.lowered_for, options, name)
+    loaded = artifacts.load_executable(program, program_sha256, targets.lowered_for, options, targets.tiers, name)
     notify(name, None, program, program_tier, loaded)
     return _executable(program, loaded, targets.lowered_for, [], name)
 
@@ -125,9 +125,9 @@ def _compile_for_targets(
     for target in targets.compile_only:
         try:
             target_program, target_sha256, program_tier = artifacts.lowered_program(
-                gm, bindings, target, options, lowered=program)
-            outcome = artifacts.compile_for_target(target_program, target_sha256, target, options, name,
-                                                   keep_executable=recording())
+                gm, bindings, target, options, targets.tiers, lowered=program)
+            outcome = artifacts.compile_for_target(target_program, target_sha256, target, options, targets.tiers,
+                                                   name, keep_executable=recording())
         except (LoweringError, UnsupportedOpError, CompileError) as error:
             target_program, program_tier = program, None
             outcome = artifacts.TargetOutcome(str(target.name), "", {}, None, 0.0, 0.0, {}, error=error)

@@ -1,10 +1,12 @@
-"""The devices one compile is for, worked out once from its options: the backend resolves them as a graph
-arrives and hands the record down, so no later stage reads target names again."""
+"""The devices one compile is for and where its artifacts are kept, worked out once from its options: the
+backend resolves them as a graph arrives and hands the record down, so no later stage reads target names or
+cache settings again."""
 
 from __future__ import annotations
 
 import dataclasses
 
+from tpucompile.artifacts import ArtifactTiers, artifact_tiers
 from tpucompile.config import Options
 from tpucompile.contracts import target_names
 from tpucompile.frontend.traced_implementations import custom_op_overloads
@@ -16,7 +18,7 @@ from tpucompile.runtime.targets.compile_only import compile_targets, spanning
 
 @dataclasses.dataclass(frozen=True)
 class CompileTargets:
-    """Where the graphs of one compile are lowered, compiled and run."""
+    """Where the graphs of one compile are lowered, compiled and run, and where their artifacts are kept."""
 
     lowered_for: Target
     """What graphs are lowered for: this process's device or mesh; in a compile-only run, the first compile-only
@@ -28,6 +30,9 @@ class CompileTargets:
     them, this process's own (a custom op's JAX lowering must cover every one to keep the op whole)."""
     attention_kernel: bool
     """Whether attention goes to its kernel op (``options.attention``; in "auto", where a TPU compiles it)."""
+    tiers: ArtifactTiers
+    """The memory tiers and persistent cache the compile's programs, executables and plans are found in and kept
+    in."""
 
 
 def resolve_targets(options: Options) -> CompileTargets:
@@ -44,7 +49,7 @@ def resolve_targets(options: Options) -> CompileTargets:
     if not options.compile_only:
         platforms.add(get_target(options.platform).platform)
     return CompileTargets(lowered_for, tuple(spanning(t, len(lowered_for.devices)) for t in others),
-                          frozenset(platforms), _attention_kernel(options))
+                          frozenset(platforms), _attention_kernel(options), artifact_tiers(options))
 
 
 def _attention_kernel(options: Options) -> bool:
