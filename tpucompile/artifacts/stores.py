@@ -33,11 +33,18 @@ class ArtifactTiers:
 
     option_set: Options
     """The options these tiers were resolved from: what makes two option sets' tiers equal."""
-    limit: int
     persistent: PersistentCache | None
     """The local directory and remote, None when ``cache_mode`` is "off" (or the directory is unusable)."""
-    strict: bool
-    """Whether a missing executable is an error (``cache_mode="strict"``) instead of compiled now."""
+
+    @property
+    def limit(self) -> int:
+        """How many executables, programs and plans this option set keeps in each memory tier."""
+        return self.option_set.executable_cache_size
+
+    @property
+    def strict(self) -> bool:
+        """Whether a missing executable is an error (``cache_mode="strict"``) instead of compiled now."""
+        return self.option_set.cache_mode == "strict"
 
     def get(self, store: MemoryStore[V], key: str) -> V | None:
         """The value ``store`` keeps under ``key``, now held by this option set too; None when absent."""
@@ -50,8 +57,7 @@ class ArtifactTiers:
 
 def artifact_tiers(options: Options) -> ArtifactTiers:
     """The tiers a compile with ``options`` finds and keeps its artifacts in."""
-    return ArtifactTiers(options, options.executable_cache_size, persistent_cache(options),
-                         options.cache_mode == "strict")
+    return ArtifactTiers(options, persistent_cache(options))
 
 
 def persistent_cache(options: Options) -> PersistentCache | None:
