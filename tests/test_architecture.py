@@ -179,27 +179,26 @@ into from all over the pipeline, the sign of a setting worked out again where it
 def _options_flow(run: Callable[[], Any]) -> list[tuple[str, str]]:
     """(caller module, callee module) for each distinct cross-module call into a ``tpucompile`` function given the
     compile's ``Options`` while ``run`` runs; the caller is the nearest frame given them too (the backend's entry,
-    "backend", when none is)."""
+    ``tpucompile.backend``, when none is)."""
     from tpucompile.config import Options
 
-    root = str(PACKAGE) + "/"
+    modules = {str(path): name for name, path in SOURCES.items()}
     stack: list[str | None] = []
     calls: list[tuple[str, str, str]] = []
 
     def module_given_options(frame: Any) -> str | None:
         code = frame.f_code
-        if not code.co_filename.startswith(root):
-            return None
+        module = modules.get(code.co_filename)
         arguments = code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]
-        if not any(isinstance(frame.f_locals.get(name), Options) for name in arguments):
+        if module is None or not any(isinstance(frame.f_locals.get(name), Options) for name in arguments):
             return None
-        return code.co_filename[len(root):]
+        return module
 
     def profile(frame: Any, event: str, _: Any) -> None:
         if event == "call":
             module = module_given_options(frame)
             if module is not None:
-                caller = next((m for m in reversed(stack) if m is not None), "backend.py")
+                caller = next((m for m in reversed(stack) if m is not None), "tpucompile.backend")
                 if caller != module and (caller, module, frame.f_code.co_name) not in calls:
                     calls.append((caller, module, frame.f_code.co_name))
             stack.append(module)
@@ -214,10 +213,6 @@ def _options_flow(run: Callable[[], Any]) -> list[tuple[str, str]]:
     return [(caller, module) for caller, module, _ in calls]
 
 
-def _unit_of_file(relative: str) -> str:
-    return relative.split("/")[0].removesuffix(".py")
-
-
 def test_options_are_worked_out_once_and_flow_down(cache_dir):
     """Follow the options of a training compile from the backend's entry: every module they reach is entered
     from a handful of places at most, and always from upstream (targets and cache tiers are resolved once, at
@@ -228,10 +223,10 @@ def test_options_are_worked_out_once_and_flow_down(cache_dir):
     compiled = torch.compile(model, backend="tpucompile", options={"cache_dir": str(cache_dir)})
     flow = _options_flow(lambda: compiled(torch.randn(4, 8)).sum().backward())
 
-    assert ("driver/resolved_targets.py", "artifacts/stores.py") in flow  # the flow was followed at all
+    assert ("tpucompile.driver.resolved_targets", "tpucompile.artifacts.stores") in flow  # followed at all
     entries = collections.Counter(module for _, module in flow)
     crowded = {module: count for module, count in entries.items() if count > MOST_ENTRIES_PER_ROOM}
     assert not crowded, f"options enter these modules from more than {MOST_ENTRIES_PER_ROOM} places: {crowded}"
     climbs = [(caller, module) for caller, module in flow
-              if ORDER.index(_unit_of_file(module)) < ORDER.index(_unit_of_file(caller))]
+              if ORDER.index(_unit(module)) < ORDER.index(_unit(caller))]
     assert not climbs, f"options handed back up the pipeline: {climbs}"
