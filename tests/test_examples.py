@@ -92,7 +92,7 @@ def run_example_main(script: str, env: dict[str, str] | None = None) -> subproce
     module = script.removesuffix(".py")
     code = f"import sys; sys.path.insert(0, {EXAMPLES!r}); import {module}; {module}.main()"
     return python_processes.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, **(env or {})})
+                                env={**os.environ, **(env or {})})
 
 
 def check_tpu_dump(script: str, dump: pathlib.Path) -> None:

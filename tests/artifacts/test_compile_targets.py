@@ -239,7 +239,7 @@ with torch.no_grad():
 
 def _cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
     return python_processes.run([sys.executable, "-m", "tpucompile", *args], capture_output=True, text=True, env=env,
-                          timeout=300)
+                                timeout=300)
 
 
 def _json(result: subprocess.CompletedProcess) -> dict:

@@ -54,7 +54,7 @@ def _run_ops(cache_dir, mode: str, *args: str, **settings: str) -> dict[str, flo
     env = workload_env(cache_dir, TPUCOMPILE_CACHE_MODE=mode, TPUCOMPILE_FALLBACK="error", PYTHONFAULTHANDLER="1",
                        **settings)  # a crash names its frame in the failure
     done = python_processes.run([sys.executable, "-u", "-c", _OPS, *args], capture_output=True, text=True, env=env,
-                          timeout=600)
+                                timeout=600)
     assert done.returncode == 0, f"exit code {done.returncode}:\n{done.stderr[-3000:]}"
     return json.loads(done.stdout.strip().splitlines()[-1])
 

@@ -115,9 +115,9 @@ def test_prune_while_other_processes_read(cache_dir):
     x, y = torch.randn(3, 4), torch.randn(4, 5)
     compile_and_run(_graph, x, y)  # this process's first compile sets up XLA: not the part under test
     pruner = python_processes.popen([sys.executable, "-c", _PRUNER, str(cache_dir), str(count), str(cap), str(seconds)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     readers = [python_processes.popen([sys.executable, "-c", _READER, str(cache_dir), str(count), str(seconds)],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
     compiles = wrong_compiles = recompiled = 0
     while pruner.poll() is None:
         result, (event,) = compile_and_run(_graph, x, y)

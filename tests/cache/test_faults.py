@@ -258,7 +258,7 @@ def test_read_only_directory_is_read_never_written(cache_dir):
     # the warm entry comes from a fresh process too: keys hold process-wide state (custom ops and JAX
     # lowerings other tests registered), which the reading process must share with the writer
     warm = python_processes.run([sys.executable, "-c", _WARM_RUN], capture_output=True, text=True, timeout=300,
-                          cwd=os.getcwd())
+                                cwd=os.getcwd())
     assert warm.returncode == 0, warm.stderr[-3000:]
     before = _snapshot(cache_dir)
     for path in [cache_dir, *cache_dir.rglob("*")]:

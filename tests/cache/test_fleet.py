@@ -55,7 +55,7 @@ class Fleet:
         plan.write_text(json.dumps({"signals": str(self.signals), "steps": steps}))
         env = {k: v for k, v in os.environ.items() if not k.startswith("TPUCOMPILE_CACHE")}
         return python_processes.popen([sys.executable, "-m", "tests.cache.fleet_host", str(plan)], cwd=REPO, env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
     def wait_for(self, pattern: str, count: int, timeout: float = 180) -> None:
         deadline = time.monotonic() + timeout

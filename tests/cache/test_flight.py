@@ -63,7 +63,7 @@ with flight.claim(sys.argv[3]):
 
 def _holder(tmp_path, lease: float) -> subprocess.Popen:
     holder = python_processes.popen([sys.executable, "-c", _HOLDER, str(tmp_path), str(lease), KEY],
-                              stdout=subprocess.PIPE, text=True)
+                                    stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "holding"
     return holder
 

@@ -50,7 +50,7 @@ def test_sigkilled_writers_leave_no_torn_entry(tmp_path):
     try:
         for trial in range(writers):
             writer = python_processes.popen([sys.executable, "-c", _WRITER, str(tmp_path), str(trial)],
-                                      stdout=subprocess.PIPE, text=True)
+                                            stdout=subprocess.PIPE, text=True)
             assert writer.stdout.readline().strip() == "ready"
             time.sleep(rng.uniform(0.0, 0.25))
             writer.send_signal(signal.SIGKILL)

@@ -31,7 +31,7 @@ LOC = re.compile(r'loc\("(?P<op>[^"]+)"\("(?P<file>[^"]+)":(?P<line>\d+):(?P<col
 
 def run_cli(*args: str, env: dict[str, str], cwd: str | None = None) -> subprocess.CompletedProcess:
     return python_processes.run([sys.executable, "-m", "tpucompile", "dump-hlo", *args], capture_output=True, text=True,
-                          env=env, cwd=cwd, timeout=300)
+                                env=env, cwd=cwd, timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -193,7 +193,7 @@ def test_dump_dir_variable_dumps_any_program(tmp_path, env):
                       "print(f(torch.ones(3)))\n")
     out = tmp_path / "dump"
     result = python_processes.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
-                            env={**env, "TPUCOMPILE_DUMP_DIR": str(out)})
+                                  env={**env, "TPUCOMPILE_DUMP_DIR": str(out)})
     assert result.returncode == 0, result.stderr
     assert set(FILES) - {"fx_rewrite_attention.txt"} <= {p.name for p in (out / "000-inference").iterdir()}
     text = (out / "000-inference" / "stablehlo.mlir").read_text()

@@ -374,8 +374,8 @@ def test_warm_fills_every_bucket_so_a_server_never_compiles(tmp_path):
     cache = tmp_path / "cache"
     env = {k: v for k, v in os.environ.items() if not k.startswith("TPUCOMPILE_")}
     warm = python_processes.run([sys.executable, "-m", "tpucompile", "warm", "--json", "--dir", str(cache), "--buckets",
-                           "16,32,64", "--target", "tpu:v5e:2x2", str(script), "5"],
-                          env=env, capture_output=True, text=True, timeout=300)
+                                 "16,32,64", "--target", "tpu:v5e:2x2", str(script), "5"],
+                                env=env, capture_output=True, text=True, timeout=300)
     assert warm.returncode == 0, warm.stderr[-3000:]
     report = json.loads(warm.stdout[warm.stdout.index("{\n"):])
     assert report["buckets_filled"] == 2 and report["targets"]["tpu:v5e:2x2"]["compiled"] == 3
@@ -385,7 +385,7 @@ def test_warm_fills_every_bucket_so_a_server_never_compiles(tmp_path):
                                  text=True, env=serving, timeout=300)
     assert serve.returncode == 0 and "served" in serve.stdout, serve.stderr[-3000:]
     stats = python_processes.run([sys.executable, "-m", "tpucompile", "cache", "stats", "--json", "--dir", str(cache)],
-                           env=env, capture_output=True, text=True, timeout=120)
+                                 env=env, capture_output=True, text=True, timeout=120)
     figures = json.loads(stats.stdout[stats.stdout.index("{"):])
     assert figures["graph_compiles"] == 3  # the warm run's: the server compiled nothing
     assert figures["bucket_hits"] == 2  # the server: 64 after 40, 9 after 3 (3, 17, 40: loaded from the cache)

@@ -372,7 +372,7 @@ def gpt_runs(tmp_path_factory):
     """DP, TP and DP x TP runs of the GPT example on 8 virtual CPU devices, in one fresh process."""
     tmp_path = tmp_path_factory.mktemp("sharding")
     result = python_processes.run([sys.executable, WORKER, "gpt"], capture_output=True, text=True, timeout=900,
-                            env=_environment(tmp_path), cwd=HERE)
+                                  env=_environment(tmp_path), cwd=HERE)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
 
