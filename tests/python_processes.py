@@ -7,9 +7,8 @@ commands ``[sys.executable, ...]`` with ``-c``, ``-m`` or a script (and ``-u``).
 the child would be what a new interpreter gives: its environment differs from the server's only in variables
 read after the imports (``TPUCOMPILE_*``; ``XLA_FLAGS`` and ``ALLOW_MULTIPLE_LIBTPU_LOAD``, read when jax starts
 a backend or libtpu loads, which the server never does; ``PYTHONFAULTHANDLER``, which the child applies as the
-interpreter would). Anything else (another
-``PYTHONHASHSEED``, ``JAX_*`` or ``TORCH_*`` settings read at import, an interpreter flag, piped stdin)
-starts a real process, as does everything with ``TESTS_FORKED_PROCESSES=0``.
+interpreter would). Anything else (another ``PYTHONHASHSEED``, ``JAX_*`` or ``TORCH_*`` settings read at import,
+an interpreter flag, piped stdin) starts a real process, as does everything with ``TESTS_FORKED_PROCESSES=0``.
 ``TESTS_FORKED_PROCESSES_LOG=FILE`` appends a line per request to FILE: forked, or real and why.
 Tests about what a process imports or its hash seed use ``subprocess`` directly.
 """
@@ -24,6 +23,7 @@ import os
 import pathlib
 import selectors
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -200,6 +200,8 @@ class ForkedProcess:
             for fd in ours:
                 os.close(fd)
         self._buffer = b""
+        self._output: dict[str, Any] = {}
+        self._readers: list[threading.Thread] | None = None  # started by the first ``communicate``
         self.pid = self._message(None)["pid"]
 
     def _message(self, timeout: float | None) -> dict[str, Any]:
@@ -232,8 +234,7 @@ class ForkedProcess:
 
     def communicate(self, input: Any = None, timeout: float | None = None) -> tuple[Any, Any]:
         assert input is None, "forked processes get no stdin"
-        if not hasattr(self, "_readers"):
-            self._output: dict[str, Any] = {}
+        if self._readers is None:
             self._readers = [threading.Thread(target=self._read, args=(name,), daemon=True)
                              for name in ("stdout", "stderr") if getattr(self, name) is not None]
             for reader in self._readers:
@@ -256,13 +257,9 @@ class ForkedProcess:
             os.kill(self.pid, signal_number)
 
     def kill(self) -> None:
-        import signal
-
         self.send_signal(signal.SIGKILL)
 
     def terminate(self) -> None:
-        import signal
-
         self.send_signal(signal.SIGTERM)
 
     def __enter__(self) -> ForkedProcess:
@@ -270,6 +267,6 @@ class ForkedProcess:
 
     def __exit__(self, *exc: Any) -> None:
         for stream in (self.stdout, self.stderr):
-            if stream is not None and not stream.closed and not hasattr(self, "_readers"):
+            if stream is not None and not stream.closed and self._readers is None:
                 stream.close()
         self.wait()
