@@ -77,6 +77,19 @@ class Options:
     default as measured on the TPU target (``docs/benchmarks.md``): XLA's estimated cycles fall 2-7% on six
     of eight bf16 rows, but the HBM bytes and peak memory of Llama steps rise by up to 13% and 10%."""
 
+    narrow_elementwise: bool = True
+    """bf16/f16 elementwise ops that round the same computed in their operands' own dtype as in f32 (add,
+    subtract and multiply without scaling, squares, negation, abs, max/min/clamp, comparisons) are emitted in
+    that dtype, and XLA widens them inside its fusions as it needs; other bf16/f16 ops are computed in f32 and
+    rounded once, as PyTorch does. With explicit converts around every narrow op, XLA's TPU compiler fuses the
+    widening of a value into the fusion that makes it and keeps the f32 copy in HBM until the backward reads
+    it (Hugging Face Llama at 1B, whole step: peak memory 1.74x -> 1.19x of hand-written JAX,
+    ``docs/benchmarks.md``). Given narrow ops, XLA may skip the rounding between two of them (its excess
+    precision, on by default: the TPU compiler computes a chain of them in f32 and rounds once at its end, the
+    CPU compiler does so in some fusions), as Inductor's fused kernels do; results then differ from eager's
+    by those roundings. False: every bf16/f16 op is computed in f32 between explicit converts, rounded where
+    PyTorch rounds."""
+
     verify: bool = True
     """Run the MLIR verifier on every lowered module before compiling it."""
 

@@ -53,7 +53,8 @@ def lowered_program(
             return dataclasses.replace(lowered, cache_key=None)
         with jax_bridge.target_platform(target.platform):
             return lower_graph(gm, bindings, verify=options.verify, donate=donate,
-                               narrow_products=options.narrow_products)
+                               narrow_products=options.narrow_products,
+                               narrow_elementwise=options.narrow_elementwise)
 
     try:
         graph, locations = encode_graph(gm, bindings, values=True)
@@ -64,7 +65,8 @@ def lowered_program(
     ops = {node.target for node in gm.graph.nodes if node.op == "call_function"}
     components = program_key_components(graph, environment(target), locations, sorted(donate),
                                         custom_ops.key_component(ops, target.platform),
-                                        {"narrow_products": options.narrow_products})
+                                        {"narrow_products": options.narrow_products,
+                                         "narrow_elementwise": options.narrow_elementwise})
     key = cache_key(components)
     found = program_from_key(key, tiers)
     if found is not None:

@@ -87,23 +87,26 @@ def lower_graph(
     verify: bool = True,
     donate: frozenset[str] = frozenset(),
     narrow_products: bool = False,
+    narrow_elementwise: bool = True,
 ) -> LoweredProgram:
     """Lower ``gm`` (a functional ATen graph) to StableHLO for the sizes in ``bindings``; arguments marked
     donatable with a kind in ``donate`` are donated to a result of their shape and dtype. ``narrow_products``:
-    bf16/f16 matrix products write their rounded result directly (``rules/matmul.py``)."""
+    bf16/f16 matrix products write their rounded result directly (``rules/matmul.py``). ``narrow_elementwise``: bf16/f16
+    elementwise ops exact in their own dtype are computed in it (``registry.LoweringRule.exact_narrow``)."""
     bindings = bindings or ShapeBindings()
     # AOTAutograd calls the compiler with its FakeTensorMode active; constants that rules build from real
     # tensors (``builder.dense_constant``) must not be turned into fake ones.
     with unset_fake_temporarily(), mlir_context(), ir.Location.unknown():
-        return _GraphLowering(gm, bindings, donate, narrow_products).run(verify)
+        return _GraphLowering(gm, bindings, donate, narrow_products, narrow_elementwise).run(verify)
 
 
 class _GraphLowering:
     def __init__(self, gm: torch.fx.GraphModule, bindings: ShapeBindings, donate: frozenset[str],
-                 narrow_products: bool) -> None:
+                 narrow_products: bool, narrow_elementwise: bool) -> None:
         self.gm = gm
         self.donate = donate
         self.narrow_products = narrow_products
+        self.narrow_elementwise = narrow_elementwise
         self.bindings = ShapeBindings(  # a copy: data-dependent sizes get bound to their bounds below
             dict(bindings.values), bindings.runtime, bindings.unmerged_products)
         self.runtime = bindings.runtime
@@ -350,6 +353,7 @@ class _GraphLowering:
             extent=self._extent,
             runtime_scalars=self._runtime_scalars(node),
             narrow_products=self.narrow_products,
+            narrow_elementwise=self.narrow_elementwise,
         )
         with _location(node):
             try:

@@ -54,6 +54,9 @@ class LoweringContext:
     narrow_products: bool = False
     """Whether bf16/f16 matrix products write their rounded result directly (``rules/matmul.py``), rather
     than an f32 product and a convert."""
+    narrow_elementwise: bool = True
+    """Whether elementwise ops registered with ``exact_narrow`` are emitted in their bf16/f16 operands' own
+    dtype where that rounds as computing in f32 does (``LoweringRule.exact_narrow``)."""
 
     def scalar(self, position: int, value: Any, dtype: torch.dtype, shape: Sequence[int]) -> ir.Value:
         """Argument ``position`` (whose number is ``value``) as a ``dtype`` tensor of ``shape``: computed when
@@ -80,6 +83,13 @@ class LoweringRule:
     operands: tuple[int, ...] | None
     random: bool = False
     bound: Callable[..., int] | None = None
+    exact_narrow: Callable[[Sequence[Any], dict[str, Any]], bool] | None = None
+    """For elementwise rules: whether a call, given its arguments, computed in its bf16/f16 operands' dtype
+    gives what computing in f32 and rounding once gives. That holds for IEEE's correctly rounded operations
+    (+, -, *, /, sqrt: f32 carries at least twice a narrow significand plus two bits, so rounding through it
+    is innocuous) and for ops that only pick or compare values. Such calls are emitted narrow (with
+    ``narrow_elementwise``): the converts around every bf16 op are then XLA's to place inside its fusions,
+    where explicit ones let its TPU compiler keep f32 copies of bf16 values in HBM."""
 
     def __call__(self, ctx: LoweringContext, args: list[Any], kwargs: dict[str, Any]) -> Any:
         if self.promote is None:
@@ -93,6 +103,9 @@ class LoweringRule:
         positions = tuple(p for p in positions if p < len(args) and _is_operand(args[p]))
         promotion_args = [_promotion_arg(ctx.operand_metas[p], args[p]) for p in positions]
         compute_dtype, _ = elementwise_dtypes(*promotion_args, type_promotion_kind=self.promote)
+        narrow = self._narrow_dtype(ctx, positions, args, kwargs, compute_dtype)
+        if narrow is not None:
+            compute_dtype = narrow
         ctx.compute_dtype = compute_dtype
         out_shape = ctx.aval_out.shape
         args = list(args)
@@ -104,6 +117,46 @@ class LoweringRule:
                 args[p] = ctx.scalar(p, arg, compute_dtype, out_shape)
         result = self.fn(ctx, *args, **kwargs)
         return builder.convert(result, ctx.aval_out.dtype)
+
+
+    def _narrow_dtype(self, ctx: LoweringContext, positions: Sequence[int], args: Sequence[Any],
+                      kwargs: dict[str, Any], compute_dtype: torch.dtype) -> torch.dtype | None:
+        """The bf16/f16 dtype this call is computed in instead of ``compute_dtype`` (f32), or None: every
+        tensor operand has that dtype, every number operand is exact in it and fixed at compile time, and
+        the rule says the call is exact narrow."""
+        if not ctx.narrow_elementwise or self.exact_narrow is None or compute_dtype is not torch.float32:
+            return None
+        dtypes = {ctx.operand_metas[p].dtype for p in positions if isinstance(args[p], ir.Value)}
+        if len(dtypes) != 1:
+            return None
+        (narrow,) = dtypes
+        if narrow not in _NARROW_FLOATS:
+            return None
+        for p in positions:
+            number = args[p]
+            if isinstance(number, ir.Value):
+                continue
+            if p in ctx.runtime_scalars or isinstance(number, bool) or not _exact_in(number, narrow):
+                return None
+        return narrow if self.exact_narrow(args, kwargs) else None
+
+
+_NARROW_FLOATS = (torch.bfloat16, torch.float16)
+
+
+def _exact_in(number: Any, dtype: torch.dtype) -> bool:
+    """Whether the Python number converts to ``dtype`` without rounding."""
+    if not isinstance(number, (int, float)):
+        return False
+    try:
+        return torch.tensor(number, dtype=dtype).item() == number
+    except (OverflowError, RuntimeError):
+        return False
+
+
+def always(args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
+    """``exact_narrow`` for ops exact narrow whatever their other arguments."""
+    return True
 
 
 def _is_operand(arg: Any) -> bool:
@@ -125,6 +178,7 @@ def register_rule(
     operands: Sequence[int] | None = None,
     random: bool = False,
     bound: Callable[..., int] | None = None,
+    exact_narrow: Callable[[Sequence[Any], dict[str, Any]], bool] | None = None,
 ) -> Callable[[Rule], Rule]:
     """Register ``fn`` as the lowering of ``ops`` (an overload packet registers all its overloads).
 
@@ -132,11 +186,14 @@ def register_rule(
     ``operands`` (all tensor and scalar positional arguments when None). ``random`` marks ops that draw
     random numbers: their program gets a seed argument and the rule gets ``ctx.random``. ``bound`` marks ops
     with a data-dependent result size: it is called like the op, with a ``TensorSpec`` for each tensor, and
-    returns the size the results are padded to.
+    returns the size the results are padded to. ``exact_narrow`` (elementwise rules) says when a call is
+    exact computed in its bf16/f16 operands' own dtype (``LoweringRule.exact_narrow``; ``always`` for ops
+    exact whatever their other arguments).
     """
 
     def decorate(fn: Rule) -> Rule:
-        rule = LoweringRule(fn, promote, tuple(operands) if operands is not None else None, random, bound)
+        rule = LoweringRule(fn, promote, tuple(operands) if operands is not None else None, random, bound,
+                            exact_narrow)
         for op in ops:
             overloads = (
                 [getattr(op, name) for name in op.overloads()]

@@ -15,28 +15,39 @@ from jax.extend.mlir.dialects import stablehlo as hlo
 
 from tpucompile.lowering import builder
 from tpucompile.lowering.registry import PromotionKind as K
-from tpucompile.lowering.registry import register_rule
+from tpucompile.lowering.registry import always, register_rule
 from tpucompile.lowering.types import tensor_type
 
 aten = torch.ops.aten
 
 
-@register_rule(aten.add.Tensor, aten.add.Scalar, promote=K.DEFAULT, operands=(0, 1))
+def _unit_alpha(args, kwargs) -> bool:
+    """An ``add``/``sub`` without scaling: ``a + alpha * b`` rounds once in f32, twice narrow."""
+    return kwargs.get("alpha", 1) == 1 and (len(args) < 3 or args[2] == 1)
+
+
+def _squares(args, kwargs) -> bool:
+    """``x ** 2``, one product; other powers round more than once narrow, or call ``pow``."""
+    exponent = args[1] if len(args) > 1 else None
+    return isinstance(exponent, (int, float)) and not isinstance(exponent, bool) and exponent == 2
+
+
+@register_rule(aten.add.Tensor, aten.add.Scalar, promote=K.DEFAULT, operands=(0, 1), exact_narrow=_unit_alpha)
 def _add(ctx, a, b, alpha=1):
     return hlo.add(a, builder.scaled(b, alpha))
 
 
-@register_rule(aten.sub.Tensor, aten.sub.Scalar, promote=K.DEFAULT, operands=(0, 1))
+@register_rule(aten.sub.Tensor, aten.sub.Scalar, promote=K.DEFAULT, operands=(0, 1), exact_narrow=_unit_alpha)
 def _sub(ctx, a, b, alpha=1):
     return hlo.subtract(a, builder.scaled(b, alpha))
 
 
-@register_rule(aten.rsub.Tensor, aten.rsub.Scalar, promote=K.DEFAULT, operands=(0, 1))
+@register_rule(aten.rsub.Tensor, aten.rsub.Scalar, promote=K.DEFAULT, operands=(0, 1), exact_narrow=_unit_alpha)
 def _rsub(ctx, a, b, alpha=1):
     return hlo.subtract(b, builder.scaled(a, alpha))
 
 
-@register_rule(aten.mul.Tensor, aten.mul.Scalar, promote=K.DEFAULT)
+@register_rule(aten.mul.Tensor, aten.mul.Scalar, promote=K.DEFAULT, exact_narrow=always)
 def _mul(ctx, a, b):
     if builder.dtype_of(a) is torch.bool:
         return hlo.and_(a, b)
@@ -114,7 +125,8 @@ def _fmod(ctx, a, b):
 _POW_FAST_PATH_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
 
 
-@register_rule(aten.pow.Tensor_Tensor, aten.pow.Tensor_Scalar, aten.pow.Scalar, promote=K.BOOL_TO_LONG)
+@register_rule(aten.pow.Tensor_Tensor, aten.pow.Tensor_Scalar, aten.pow.Scalar, promote=K.BOOL_TO_LONG,
+               exact_narrow=_squares)
 def _pow(ctx, a, b):
     exponent = ctx.node.args[1] if ctx.node.target is aten.pow.Tensor_Scalar else None
     if isinstance(exponent, (int, float)) and ctx.aval_out.dtype in _POW_FAST_PATH_DTYPES:
@@ -136,23 +148,23 @@ def _pow(ctx, a, b):
     return hlo.power(a, b)
 
 
-@register_rule(aten.maximum.default, promote=K.DEFAULT)
+@register_rule(aten.maximum.default, promote=K.DEFAULT, exact_narrow=always)
 def _maximum(ctx, a, b):
     return hlo.maximum(a, b)  # StableHLO's maximum propagates NaN, as torch.maximum does
 
 
-@register_rule(aten.minimum.default, promote=K.DEFAULT)
+@register_rule(aten.minimum.default, promote=K.DEFAULT, exact_narrow=always)
 def _minimum(ctx, a, b):
     return hlo.minimum(a, b)
 
 
-@register_rule(aten.fmax.default, promote=K.DEFAULT)
+@register_rule(aten.fmax.default, promote=K.DEFAULT, exact_narrow=always)
 def _fmax(ctx, a, b):
     """``maximum`` that ignores a NaN operand (NaN only when both are NaN)."""
     return _ignoring_nan(a, b, hlo.maximum(a, b))
 
 
-@register_rule(aten.fmin.default, promote=K.DEFAULT)
+@register_rule(aten.fmin.default, promote=K.DEFAULT, exact_narrow=always)
 def _fmin(ctx, a, b):
     return _ignoring_nan(a, b, hlo.minimum(a, b))
 
@@ -168,7 +180,7 @@ def _atan2(ctx, a, b):
     return hlo.atan2(a, b)
 
 
-@register_rule(aten.clamp.default, aten.clamp.Tensor, promote=K.DEFAULT, operands=(0, 1, 2))
+@register_rule(aten.clamp.default, aten.clamp.Tensor, promote=K.DEFAULT, operands=(0, 1, 2), exact_narrow=always)
 def _clamp(ctx, x, min=None, max=None):
     if min is not None:
         x = hlo.maximum(x, min)
@@ -177,12 +189,12 @@ def _clamp(ctx, x, min=None, max=None):
     return x
 
 
-@register_rule(aten.clamp_min.default, aten.clamp_min.Tensor, promote=K.DEFAULT)
+@register_rule(aten.clamp_min.default, aten.clamp_min.Tensor, promote=K.DEFAULT, exact_narrow=always)
 def _clamp_min(ctx, x, bound):
     return hlo.maximum(x, bound)
 
 
-@register_rule(aten.clamp_max.default, aten.clamp_max.Tensor, promote=K.DEFAULT)
+@register_rule(aten.clamp_max.default, aten.clamp_max.Tensor, promote=K.DEFAULT, exact_narrow=always)
 def _clamp_max(ctx, x, bound):
     return hlo.minimum(x, bound)
 
@@ -200,7 +212,7 @@ def _register_comparison(direction: str, *ops) -> None:
     def rule(ctx, a, b):
         return builder.compare(a, b, direction)
 
-    register_rule(*ops, promote=K.ALWAYS_BOOL)(rule)
+    register_rule(*ops, promote=K.ALWAYS_BOOL, exact_narrow=always)(rule)
 
 
 _register_comparison("EQ", aten.eq.Tensor, aten.eq.Scalar)

@@ -14,14 +14,14 @@ from jax.extend.mlir.dialects import stablehlo as hlo
 
 from tpucompile.lowering import builder
 from tpucompile.lowering.registry import PromotionKind as K
-from tpucompile.lowering.registry import register_rule
+from tpucompile.lowering.registry import always, register_rule
 from tpucompile.lowering.types import tensor_type
 
 aten = torch.ops.aten
 
 
-def _unary(op, *overloads, promote=K.INT_TO_FLOAT):
-    register_rule(*overloads, promote=promote)(lambda ctx, x: op(x))
+def _unary(op, *overloads, promote=K.INT_TO_FLOAT, exact_narrow=None):
+    register_rule(*overloads, promote=promote, exact_narrow=exact_narrow)(lambda ctx, x: op(x))
 
 
 _unary(hlo.exponential, aten.exp.default)
@@ -52,8 +52,8 @@ _unary(chlo.lgamma, aten.lgamma.default)
 _unary(chlo.digamma, aten.digamma.default)
 _unary(hlo.logistic, aten.sigmoid.default)
 _unary(lambda x: hlo.divide(builder.constant_like(1, x), x), aten.reciprocal.default)
-_unary(hlo.negate, aten.neg.default, promote=K.DEFAULT)
-_unary(hlo.abs, aten.abs.default, promote=K.DEFAULT)
+_unary(hlo.negate, aten.neg.default, promote=K.DEFAULT, exact_narrow=always)
+_unary(hlo.abs, aten.abs.default, promote=K.DEFAULT, exact_narrow=always)
 
 
 def _float_only(op):
