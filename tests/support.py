@@ -28,6 +28,21 @@ def compile_fn(fn: Callable, **options: Any) -> Callable:
     return torch.compile(fn, backend="tpucompile", fullgraph=True, options=options or None)
 
 
+def compiles_per_setting(fn: Callable, args: Sequence[Any], option: str, settings: Sequence[Any],
+                         cache_dir: str) -> list[int]:
+    """How many graphs each call of ``fn(*args)`` compiled, one call per setting of ``option`` in turn, all
+    sharing the persistent cache in ``cache_dir`` (Dynamo reset before each, so only that cache can serve)."""
+    import tpucompile
+
+    counts = []
+    for setting in settings:
+        torch._dynamo.reset()
+        before = tpucompile.stats()["total"]["compiles"]
+        compile_fn(fn, **{option: setting, "cache_dir": cache_dir})(*args)
+        counts.append(tpucompile.stats()["total"]["compiles"] - before)
+    return counts
+
+
 def assert_close_tree(actual: Any, expected: Any, atol: float | None = None, rtol: float | None = None) -> None:
     flat_actual, spec_actual = pytree.tree_flatten(actual)
     flat_expected, spec_expected = pytree.tree_flatten(expected)

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.support import assert_compiles_like_eager, compile_fn
+from tests.support import assert_compiles_like_eager, compile_fn, compiles_per_setting
 
 
 # Low-precision products accumulate in f32 and round once, as eager's CPU kernels do: default tolerances.
@@ -226,14 +226,6 @@ def test_narrow_products_switch_differential(dtype):
 def test_narrow_products_switch_is_in_the_cache_key(tmp_path):
     """A program stored with one setting is never served for the other (the key holds the option), and each
     is found again under its own."""
-    import tpucompile
-
     a, b = torch.randn(8, 64).bfloat16(), torch.randn(64, 16).bfloat16()
-
-    def compiles(narrow):
-        torch._dynamo.reset()
-        before = tpucompile.stats()["total"]["compiles"]
-        compile_fn(torch.mm, narrow_products=narrow, cache_dir=str(tmp_path))(a, b)
-        return tpucompile.stats()["total"]["compiles"] - before
-
-    assert [compiles(True), compiles(False), compiles(True), compiles(False)] == [1, 1, 0, 0]
+    counts = compiles_per_setting(torch.mm, (a, b), "narrow_products", (True, False, True, False), str(tmp_path))
+    assert counts == [1, 1, 0, 0]

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from tests.support import assert_compiles_like_eager, compile_fn
+from tests.support import assert_compiles_like_eager, compile_fn, compiles_per_setting
 
 _SHORT = {torch.bfloat16: "bf16", torch.float16: "f16"}
 NARROW = [torch.bfloat16, torch.float16]
@@ -105,14 +105,6 @@ def test_narrow_elementwise_switch_differential(dtype):
 
 def test_narrow_elementwise_switch_is_in_the_cache_key(tmp_path):
     """A program stored with one setting is never served for the other, and each is found again."""
-    import tpucompile
-
     a, b = torch.randn(8, 16).bfloat16(), torch.randn(8, 16).bfloat16()
-
-    def compiles(narrow):
-        torch._dynamo.reset()
-        before = tpucompile.stats()["total"]["compiles"]
-        compile_fn(torch.add, narrow_elementwise=narrow, cache_dir=str(tmp_path))(a, b)
-        return tpucompile.stats()["total"]["compiles"] - before
-
-    assert [compiles(True), compiles(False), compiles(True), compiles(False)] == [1, 1, 0, 0]
+    counts = compiles_per_setting(torch.add, (a, b), "narrow_elementwise", (True, False, True, False), str(tmp_path))
+    assert counts == [1, 1, 0, 0]
