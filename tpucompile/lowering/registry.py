@@ -85,9 +85,10 @@ class LoweringRule:
     bound: Callable[..., int] | None = None
     exact_narrow: Callable[[Sequence[Any], dict[str, Any]], bool] | None = None
     """For elementwise rules: whether a call, given its arguments, computed in its bf16/f16 operands' dtype
-    gives what computing in f32 and rounding once gives. That holds for IEEE's correctly rounded operations
-    (+, -, *, /, sqrt: f32 carries at least twice a narrow significand plus two bits, so rounding through it
-    is innocuous) and for ops that only pick or compare values. Such calls are emitted narrow (with
+    gives what computing in f32 and rounding once gives. That holds for IEEE's correctly rounded +, - and *
+    (f32 carries at least twice a narrow significand plus two bits, so rounding through it is innocuous) and
+    for ops that only pick or compare values. Division and square roots would qualify in IEEE arithmetic, but
+    a TPU does not compute them correctly rounded, so they are not marked. Such calls are emitted narrow (with
     ``narrow_elementwise``): the converts around every bf16 op are then XLA's to place inside its fusions,
     where explicit ones let its TPU compiler keep f32 copies of bf16 values in HBM."""
 
@@ -118,19 +119,18 @@ class LoweringRule:
         result = self.fn(ctx, *args, **kwargs)
         return builder.convert(result, ctx.aval_out.dtype)
 
-
     def _narrow_dtype(self, ctx: LoweringContext, positions: Sequence[int], args: Sequence[Any],
                       kwargs: dict[str, Any], compute_dtype: torch.dtype) -> torch.dtype | None:
-        """The bf16/f16 dtype this call is computed in instead of ``compute_dtype`` (f32), or None: every
-        tensor operand has that dtype, every number operand is exact in it and fixed at compile time, and
-        the rule says the call is exact narrow."""
-        if not ctx.narrow_elementwise or self.exact_narrow is None or compute_dtype is not torch.float32:
+        """The bf16/f16 dtype this call is computed in instead of ``compute_dtype``, the f32 that promotion
+        widened it to, or None: every tensor operand has that dtype, every number operand is exact in it and
+        fixed at compile time, and the rule says the call is exact narrow."""
+        if not ctx.narrow_elementwise or self.exact_narrow is None:
             return None
         dtypes = {ctx.operand_metas[p].dtype for p in positions if isinstance(args[p], ir.Value)}
         if len(dtypes) != 1:
             return None
         (narrow,) = dtypes
-        if narrow not in _NARROW_FLOATS:
+        if narrow is compute_dtype or builder.accumulator_dtype(narrow) is not compute_dtype:
             return None
         for p in positions:
             number = args[p]
@@ -139,9 +139,6 @@ class LoweringRule:
             if p in ctx.runtime_scalars or isinstance(number, bool) or not _exact_in(number, narrow):
                 return None
         return narrow if self.exact_narrow(args, kwargs) else None
-
-
-_NARROW_FLOATS = (torch.bfloat16, torch.float16)
 
 
 def _exact_in(number: Any, dtype: torch.dtype) -> bool:

@@ -29,7 +29,7 @@ def _unit_alpha(args, kwargs) -> bool:
 def _squares(args, kwargs) -> bool:
     """``x ** 2``, one product; other powers round more than once narrow, or call ``pow``."""
     exponent = args[1] if len(args) > 1 else None
-    return isinstance(exponent, (int, float)) and not isinstance(exponent, bool) and exponent == 2
+    return isinstance(exponent, (int, float)) and exponent == 2  # True == 1, so a bool never passes
 
 
 @register_rule(aten.add.Tensor, aten.add.Scalar, promote=K.DEFAULT, operands=(0, 1), exact_narrow=_unit_alpha)
