@@ -59,6 +59,15 @@ def test_environment_sets_options_and_explicit_options_win():
         tpucompile.Options.from_sources(None, {"TPUCOMPILE_VERIFY": "maybe"})
 
 
+def test_narrow_products_takes_a_bool_or_auto_from_options_and_the_environment():
+    assert tpucompile.Options().narrow_products == "auto"
+    for text, value in (("auto", "auto"), ("1", True), ("false", False), ("AUTO", "auto")):
+        assert tpucompile.Options.from_sources(None, {"TPUCOMPILE_NARROW_PRODUCTS": text}).narrow_products == value
+    for bad in ("sometimes", 1, None):
+        with pytest.raises(tpucompile.OptionsError, match="narrow_products"):
+            tpucompile.Options.from_sources({"narrow_products": bad})
+
+
 def test_options_reach_the_compiler():
     # A limit of 0 lifts every tensor constant into an argument; the result must not change.
     table = torch.arange(12.0).reshape(3, 4)

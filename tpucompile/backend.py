@@ -21,7 +21,7 @@ import torch.fx
 from torch._dynamo.backends.common import aot_autograd
 
 from tpucompile import plan_replay
-from tpucompile.config import Options
+from tpucompile.config import Options, narrow_products_for
 from tpucompile.debug import recorder as dump
 from tpucompile.driver import compile_graph, custom_ops_lowered_whole, record_graph, resolve_targets
 from tpucompile.errors import OptionsError
@@ -74,7 +74,9 @@ def tpucompile_backend(
             aten_gm.meta[USES_KEY] = uses  # step reports count memory by use
             if config.donate:  # the plan's runner keeps the saved values as its own buffers
                 mark_donatable(aten_gm, role, saved_on_device=recorder is not None and not recorder.abandoned)
-            compiled = compile_graph(aten_gm, aten_inputs, config, f"graph {index} ({role})", targets)
+            role_config = dataclasses.replace(
+                config, narrow_products=narrow_products_for(config.narrow_products, role))
+            compiled = compile_graph(aten_gm, aten_inputs, role_config, f"graph {index} ({role})", targets)
             if recorder is not None:
                 recorder.record(role, aten_gm, compiled)
             return compiled

@@ -69,13 +69,16 @@ class Options:
     (``linear`` on a (batch, sequence, features) input) as the unmerged tensor, instead of the merge, which
     XLA's padder compiles into packing the actual rows on every call (``lowering/unmerged.py``)."""
 
-    narrow_products: bool = False
-    """bf16/f16 matrix products write their rounded result in their own dtype (accumulated in f32, rounded
-    once), so that no f32 product is kept in memory; products a user widens again, and those with a bias,
-    keep an f32 product and a convert (``lowering/rules/matmul.py``). False (the default): every product is
-    an f32 product and a convert. Results are the same either way up to the order of the f32 sums. Off by
-    default as measured on the TPU target (``docs/benchmarks.md``): XLA's estimated cycles fall 2-7% on six
-    of eight bf16 rows, but the HBM bytes and peak memory of Llama steps rise by up to 13% and 10%."""
+    narrow_products: bool | str = "auto"
+    """bf16/f16 matrix products (``mm``, ``bmm``, ``mv``, ``dot``) write their result in their own dtype,
+    accumulated in f32 and rounded once, as a JAX program's products are; products with a bias (``addmm``)
+    keep an f32 product, add the bias and round once. False: every product is an f32 product and a convert
+    (the same values up to the order of the f32 sums). "auto" (the default): narrow in every program that
+    holds a forward (inference, the forward of a training step, a whole step traced with ``torch.func``),
+    f32 in the backward program of a split step. Measured on the TPU target (``docs/benchmarks.md``): narrow
+    products take 2-9% of XLA's estimated cycles off the forwards and whole steps, while the split backwards,
+    which read the forward's saved bf16 values as arguments, gain bytes and peak memory
+    (``lowering/rules/matmul.py``)."""
 
     narrow_elementwise: bool = True
     """bf16/f16 elementwise ops that round the same computed in their operands' own dtype as in f32 (add,
@@ -259,6 +262,8 @@ def parse_size(text: str) -> int:
 def _check_type(name: str, value: Any, annotation: str) -> Any:
     if name == "activation_memory_budget":
         return _activation_budget(value)
+    if name == "narrow_products":
+        return _narrow_products(value)
     if name in _CHOICES and value not in _CHOICES[name]:
         raise OptionsError(f"tpucompile option {name!r} must be one of {', '.join(_CHOICES[name])}, got {value!r}")
     if annotation == "bool" and not isinstance(value, bool):
@@ -323,6 +328,22 @@ def _activation_budget(value: Any) -> float | str:
         raise OptionsError(f"tpucompile option 'activation_memory_budget' must be \"auto\" or a number between 0 "
                            f"and 1, got {value!r} ({what})")
     return float(number)
+
+
+def _narrow_products(value: Any) -> bool | str:
+    """True, False or "auto" (also from the environment's text: 1/0, true/false, auto)."""
+    if isinstance(value, str):
+        value = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False,
+                 "off": False}.get(value.strip().lower(), value.strip().lower())
+    if value not in (True, False, "auto") or not isinstance(value, (bool, str)):
+        raise OptionsError(f"tpucompile option 'narrow_products' must be true, false or \"auto\", got {value!r}")
+    return value
+
+
+def narrow_products_for(setting: bool | str, role: str) -> bool:
+    """Whether the program of an AOTAutograd graph of ``role`` ("inference", "forward" or "backward")
+    writes its products narrow under the ``narrow_products`` ``setting``."""
+    return setting if isinstance(setting, bool) else role != "backward"
 
 
 def _bucket_key(key: Any) -> str:

@@ -171,10 +171,12 @@ def test_low_precision_products_are_written_narrow_and_rounded_once(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_a_product_widened_by_a_user_keeps_its_f32_product(dtype):
-    """A bf16 product that a user converts to f32 (through views) is computed as an f32 product and a
-    convert, which XLA folds into the widening; a product with a bias rounds once after adding it."""
+def test_a_widened_product_is_narrow_and_a_product_with_a_bias_rounds_once(dtype):
+    """A narrow product that a user converts to f32 (through views) is still written narrow (the same
+    rounding: the widening reads the rounded product); a product with a bias keeps its f32 product and adds
+    the bias before the one rounding, as PyTorch does."""
     a, b, bias = (torch.randn(8, 64).to(dtype), torch.randn(64, 16).to(dtype), torch.randn(16).to(dtype))
+    short = {torch.bfloat16: "bf16", torch.float16: "f16"}[dtype]
 
     def widened(a, b):
         return (a @ b).t().reshape(-1).float()
@@ -182,9 +184,48 @@ def test_a_product_widened_by_a_user_keeps_its_f32_product(dtype):
     def with_bias(bias, a, b):
         return torch.addmm(bias, a, b)
 
-    assert all(line.endswith("f32>") for line in _product_lines(widened, a, b))
+    assert all(line.endswith(f"{short}>") for line in _product_lines(widened, a, b))
     assert all(line.endswith("f32>") for line in _product_lines(with_bias, bias, a, b))
     assert_compiles_like_eager(widened, a, b, narrow_products=True)
+    assert_compiles_like_eager(with_bias, bias, a, b, narrow_products=True)
+
+
+def test_auto_writes_products_narrow_except_in_a_split_backward():
+    """At "auto" (the default) the forward of a training step writes its bf16 products narrow and its
+    backward writes f32 products and converts; a whole program traced with ``torch.func`` (one inference
+    graph, its gradients inside) is narrow throughout; true and false force one form."""
+    from tpucompile import driver
+
+    weight = torch.randn(32, 64, dtype=torch.bfloat16, requires_grad=True)
+    x = torch.randn(16, 64, dtype=torch.bfloat16)
+
+    def loss(w, x):
+        return (x @ w.t()).float().square().sum()
+
+    def programs(setting, fn, *args, backward=False):
+        texts = {}
+        remove = driver.add_observer(lambda event: texts.__setitem__(event.name.rsplit("(", 1)[-1].rstrip(")"),
+                                                                     event.program.text(debug_info=False)))
+        try:
+            torch._dynamo.reset()
+            options = {"cache_mode": "off"} if setting is None else {"cache_mode": "off", "narrow_products": setting}
+            out = torch.compile(fn, backend="tpucompile", options=options)(*args)
+            if backward:
+                out.backward()
+        finally:
+            remove()
+        return {role: {line.rsplit(" ", 1)[-1] for line in text.splitlines() if "stablehlo.dot_general" in line}
+                for role, text in texts.items()}
+
+    split = programs(None, loss, weight, x, backward=True)
+    assert split["forward"] == {"tensor<16x32xbf16>"}, split
+    assert split["backward"] and all(t.endswith("xf32>") for t in split["backward"]), split
+    whole = programs(None, torch.func.grad(loss), weight.detach(), x)
+    assert whole["inference"] and all(t.endswith("xbf16>") for t in whole["inference"]), whole
+    for setting, suffix in ((True, "xbf16>"), (False, "xf32>")):
+        forced = programs(setting, loss, weight, x, backward=True)
+        assert all(t.endswith(suffix) for role in ("forward", "backward") for t in forced[role]), (setting, forced)
+    assert_compiles_like_eager(loss, weight.detach(), x)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)

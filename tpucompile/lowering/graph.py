@@ -91,7 +91,8 @@ def lower_graph(
 ) -> LoweredProgram:
     """Lower ``gm`` (a functional ATen graph) to StableHLO for the sizes in ``bindings``; arguments marked
     donatable with a kind in ``donate`` are donated to a result of their shape and dtype. ``narrow_products``:
-    bf16/f16 matrix products write their rounded result directly (``rules/matmul.py``).
+    bf16/f16 matrix products write their rounded result directly (``rules/matmul.py``; the backend decides
+    per program).
     ``narrow_elementwise``: bf16/f16 elementwise ops exact in their own dtype are computed in it
     (``registry.LoweringRule.exact_narrow``)."""
     bindings = bindings or ShapeBindings()
