@@ -58,7 +58,9 @@ def test_small_gpt_training_step_costs_what_it_was_measured_at(small_gpt_trainin
     7,115,778 bytes of activations (and passes 5,249,536 bytes of weights); the programs' peaks are 18.8 MB and
     23.4 MB (the backward's 24.4 MB before it took over saved values: 1,310,720 bytes aliased), the hand-written
     JAX step's 25.7 MB; the two programs access 188.5 MB (80.1 + 108.4), the JAX step 100.7 MB (ours is two
-    programs at a size where each program's fixed traffic counts); flops equal the reference's within 1%."""
+    programs at a size where each program's fixed traffic counts). XLA counts 4.28 GFLOP against the
+    reference's 4.33: the forward's products written narrow (the "auto" default) count 1.404 GFLOP where
+    f32 products and converts count 1.441, the backward 2.878 either way; never more than 1% above."""
     programs, activations, weights, reference, _ = small_gpt_training
     assert [p.role for p in programs] == ["forward", "backward"]
     assert activations <= 1.10 * 7_115_778, activations
@@ -68,7 +70,7 @@ def test_small_gpt_training_step_costs_what_it_was_measured_at(small_gpt_trainin
     assert programs[1].memory["alias"] >= 1_310_720, "the backward no longer takes over saved values"
     assert sum(p.bytes_accessed for p in programs) <= 1.10 * 188_508_672
     assert max(p.memory["peak"] for p in programs) <= 1.10 * reference.memory["peak"]
-    assert sum(p.flops for p in programs) == pytest.approx(reference.flops, rel=0.01)
+    assert 0.98 * reference.flops <= sum(p.flops for p in programs) <= 1.01 * reference.flops
 
 
 def test_small_gpt_training_step_on_the_kernel_route_costs_what_it_was_measured_at(small_gpt_training):
