@@ -333,9 +333,8 @@ def _activation_budget(value: Any) -> float | str:
 def _narrow_products(value: Any) -> bool | str:
     """True, False or "auto" (also from the environment's text: 1/0, true/false, auto)."""
     if isinstance(value, str):
-        value = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False,
-                 "off": False}.get(value.strip().lower(), value.strip().lower())
-    if value not in (True, False, "auto") or not isinstance(value, (bool, str)):
+        value = _BOOL_TEXT.get(value.strip().lower(), value.strip().lower())
+    if not (isinstance(value, bool) or value == "auto"):
         raise OptionsError(f"tpucompile option 'narrow_products' must be true, false or \"auto\", got {value!r}")
     return value
 
@@ -356,14 +355,15 @@ def _bucket_key(key: Any) -> str:
     return key
 
 
+_BOOL_TEXT = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+"""How the environment writes a bool option (lower-cased)."""
+
+
 def _parse_env(name: str, raw: str, annotation: str) -> Any:
     var = ENV_PREFIX + name.upper()
     if annotation == "bool":
-        lowered = raw.strip().lower()
-        if lowered in ("1", "true", "yes", "on"):
-            return True
-        if lowered in ("0", "false", "no", "off"):
-            return False
+        if raw.strip().lower() in _BOOL_TEXT:
+            return _BOOL_TEXT[raw.strip().lower()]
         raise OptionsError(f"{var}={raw!r} is not a boolean (use 1/0, true/false)")
     if annotation in ("int", "int | None"):
         try:

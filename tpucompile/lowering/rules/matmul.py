@@ -1,7 +1,7 @@
 """Matrix products. bf16/f16 products accumulate in f32 (as PyTorch's kernels and TPUs' MXUs do) and round
 once.
 
-With ``narrow_products`` (the driver decides per program: ``config.narrow_products_for``), a plain product
+With ``narrow_products`` (the backend decides per program: ``config.narrow_products_for``), a plain product
 (``mm``, ``bmm``, ``mv``, ``dot``) is one ``dot_general`` whose result type is the narrow dtype: the hardware
 accumulates in f32 and writes the rounded product, as a JAX program's bf16 products do. Without it, the
 product is a ``dot_general`` with an f32 result and a ``convert``. Both round the same way; they differ in
