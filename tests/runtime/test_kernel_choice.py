@@ -4,10 +4,15 @@ stored, part of the executable key, and never a change in results."""
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
 
+from tests import python_processes
 from tests.cached_runs import fresh_start
 from tpucompile.runtime import get_target, optimized_hlo
 from tpucompile.runtime.host_kernels import kernel_choice
@@ -183,3 +188,45 @@ def test_a_timing_that_fails_keeps_xla_and_the_compile_goes_on(decisions, monkey
     torch.testing.assert_close(result, model(*_inputs()), rtol=1e-4, atol=1e-4)
     assert event.key_components["host_ops"] == [] and _host_calls([event]) == 0
     assert "could not time the host kernel" in caplog.text
+
+
+_STALLED_TIMER = """
+import os, pathlib, signal, sys
+import torch
+from tpucompile.runtime.host_kernels import kernel_choice
+
+store = kernel_choice._Decisions(pathlib.Path(sys.argv[1]))
+kernel_choice._decisions = lambda: store
+
+
+def stall(*args):
+    print("timing", flush=True)
+    os.kill(os.getpid(), signal.SIGSTOP)  # stopped mid-compile, holding the machine's timing lock
+
+
+kernel_choice.time_both = stall
+x, w = torch.randn(8, 16), torch.randn(16, 4)
+torch.compile(lambda x, w: torch.tanh(x @ w), backend="tpucompile", options={"host_kernels": "auto"})(x, w)
+"""
+
+
+def test_a_process_stopped_while_timing_never_stalls_another_compile(decisions, tmp_path):
+    """The holder of the machine's timing lock stops mid-compile (SIGSTOP): another process's compile goes on
+    at once with XLA's ops, and once the holder is gone, a later compile times and takes the decision."""
+    store, timings = decisions
+    holder = python_processes.popen([sys.executable, "-c", _STALLED_TIMER, str(store.path)],
+                                    stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "timing"
+        start = time.monotonic()
+        result, (event,) = _compile("auto")
+        waited = time.monotonic() - start
+        torch.testing.assert_close(result, model(*_inputs()), rtol=1e-4, atol=1e-4)
+        assert event.key_components["host_ops"] == [] and timings["calls"] == 0
+        assert waited < kernel_choice._LOCK_PATIENCE_SECONDS + 30, waited
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    result, (event,) = _compile("auto")
+    torch.testing.assert_close(result, model(*_inputs()), rtol=1e-4, atol=1e-4)
+    assert timings["calls"] == 3 and len(event.key_components["host_ops"]) == 2

@@ -60,6 +60,13 @@ _ROUNDS = 5
 """Alternating rounds of timed calls per variant (drift hits both alike)."""
 _ROUND_SECONDS = 0.004
 """Each round times calls until this long has passed (at least one call)."""
+_LOCK_PATIENCE_SECONDS = 2.0
+"""How long a process waits for another process's timing (the machine's lock) before it compiles on without
+the decision, keeping XLA's op: a timing takes a second or two, and a holder that stalls (a process stopped
+or swapped out mid-compile) must never stall, let alone fail, another process's compile."""
+_BUSY_SECONDS = 30.0
+"""After one wait ran out, how long the process asks for the lock without waiting at all: a compile holds
+several ops, and each would otherwise wait out the patience again behind the same stalled holder."""
 
 
 def host_replacements(kernels: library.HostBlas) -> dict[str, Callable[[Any], bool]]:
@@ -204,6 +211,8 @@ class _Decisions:
         self.path = path
         self.known: dict[str, dict[str, Any]] = self._read()
         self.lock = threading.Lock()
+        self.busy_since: float | None = None
+        """When a wait for another process's timing last ran out (``_BUSY_SECONDS``)."""
 
     def host_is_faster(
         self, sign: str, xla_program: str, host_program: Callable[[], str], target: Any, what: str
@@ -219,31 +228,60 @@ class _Decisions:
     def _measure(
         self, sign: str, xla_program: str, host_program: Callable[[], str], target: Any, what: str
     ) -> dict[str, Any]:
-        """Time the op both ways, one process of the machine at a time: the others wait and take its decision
-        (so processes compiling the same program agree on it, and on its key), and no timing runs beside
-        another timing."""
+        """Time the op both ways, one process of the machine at a time: the others wait a moment and take its
+        decision (so processes compiling the same program mostly agree on it, and on its key), and no timing
+        runs beside another timing. A process that the holder keeps waiting longer (``_LOCK_PATIENCE_SECONDS``)
+        goes on with XLA's op, not remembered: a later compile asks again. Its executable's key names the
+        choices it made, so it is another executable, never a wrong one."""
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            lock = filelock.FileLock(str(self.path) + ".lock", timeout=600)
+            lock: Any = filelock.FileLock(str(self.path) + ".lock")
         except OSError:
-            lock = contextlib.nullcontext()
-        with lock:
-            self.known.update(self._read())
-            found = self.known.get(sign)
-            if found is not None:
-                return found
+            lock = None
+        if lock is not None:
             try:
-                xla_rounds, host_rounds = time_both(xla_program, host_program(), target)
-            except Exception as error:  # a timing that fails leaves the op with XLA; it never fails a compile
-                log.warning("tpucompile: could not time the host kernel for %s, XLA's op is kept: %s", what, error)
-                self.known[sign] = {"op": what, "host": False}  # for this process; timed again in the next
-                return self.known[sign]
-            found = {"op": what, "host": host_wins(xla_rounds, host_rounds),
-                     **{f"{name}_{stat}_us": round(fn(rounds) * 1e6, 2)
-                        for name, rounds in (("xla", xla_rounds), ("host", host_rounds))
-                        for stat, fn in (("min", min), ("median", statistics.median))}}
-            self.known[sign] = found
-            self._write(sign, found)
+                lock.acquire(timeout=self._patience())
+            except filelock.Timeout:
+                self.busy_since = time.monotonic()
+                self.known.update(self._read())  # the file is replaced whole: safe to read without the lock
+                found = self.known.get(sign)
+                if found is None:
+                    log.info("tpucompile: another process holds the host-kernel timing lock (%s); %s keeps "
+                             "XLA's op in this compile", lock.lock_file, what)
+                    found = {"op": what, "host": False}
+                return found
+        try:
+            return self._measure_locked(sign, xla_program, host_program, target, what)
+        finally:
+            if lock is not None:
+                lock.release()
+
+    def _patience(self) -> float:
+        """Seconds to wait for the lock now: none while a recent wait ran out, else ``_LOCK_PATIENCE_SECONDS``."""
+        if self.busy_since is not None and time.monotonic() - self.busy_since < _BUSY_SECONDS:
+            return 0
+        return _LOCK_PATIENCE_SECONDS
+
+    def _measure_locked(
+        self, sign: str, xla_program: str, host_program: Callable[[], str], target: Any, what: str
+    ) -> dict[str, Any]:
+        """``_measure`` once the machine's lock is held."""
+        self.known.update(self._read())
+        found = self.known.get(sign)
+        if found is not None:
+            return found
+        try:
+            xla_rounds, host_rounds = time_both(xla_program, host_program(), target)
+        except Exception as error:  # a timing that fails leaves the op with XLA; it never fails a compile
+            log.warning("tpucompile: could not time the host kernel for %s, XLA's op is kept: %s", what, error)
+            self.known[sign] = {"op": what, "host": False}  # for this process; timed again in the next
+            return self.known[sign]
+        found = {"op": what, "host": host_wins(xla_rounds, host_rounds),
+                 **{f"{name}_{stat}_us": round(fn(rounds) * 1e6, 2)
+                    for name, rounds in (("xla", xla_rounds), ("host", host_rounds))
+                    for stat, fn in (("min", min), ("median", statistics.median))}}
+        self.known[sign] = found
+        self._write(sign, found)
         log.debug("tpucompile: host kernel %s for %s (median %.0f us against XLA's %.0f us)",
                   "chosen" if found["host"] else "declined", what, found["host_median_us"], found["xla_median_us"])
         return found
