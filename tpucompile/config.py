@@ -69,6 +69,12 @@ class Options:
     (``linear`` on a (batch, sequence, features) input) as the unmerged tensor, instead of the merge, which
     XLA's padder compiles into packing the actual rows on every call (``lowering/unmerged.py``)."""
 
+    compact_embedding_grad: bool = True
+    """The gradient of a bf16/f16 embedding table is summed in f32 per distinct token id in a buffer of the
+    tokens' size, and each id's rounded sum added into a table of the weight's dtype; False takes PyTorch's
+    decomposition, which fills and rounds a whole f32 copy of the table (the same values up to the order of
+    the f32 sums; ``frontend/decompositions.py``). Sharded programs (``mesh``) keep PyTorch's form."""
+
     narrow_products: bool | str = "auto"
     """bf16/f16 matrix products (``mm``, ``bmm``, ``mv``, ``dot``) write their result in their own dtype,
     accumulated in f32 and rounded once, as a JAX program's products are; products with a bias (``addmm``)
@@ -343,6 +349,13 @@ def narrow_products_for(setting: bool | str, role: str) -> bool:
     """Whether the program of an AOTAutograd graph of ``role`` ("inference", "forward" or "backward")
     writes its products narrow under the ``narrow_products`` ``setting``."""
     return setting if isinstance(setting, bool) else role != "backward"
+
+
+def compact_embedding_grad_for(setting: bool, mesh: Any) -> bool:
+    """Whether programs sum embedding gradients per token id under the ``compact_embedding_grad`` ``setting``:
+    not in sharded programs (a ``mesh``), where the sort and the per-id sums would gather every chip's tokens
+    and rows (not measured there; PyTorch's form reduces the table instead)."""
+    return setting and mesh is None
 
 
 def _bucket_key(key: Any) -> str:

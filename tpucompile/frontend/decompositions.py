@@ -184,6 +184,43 @@ def nll_loss_backward(
     return torch.where(hit, -grad_output, 0).to(self.dtype)
 
 
+def embedding_dense_backward(
+    grad_output: torch.Tensor, indices: torch.Tensor, num_weights: int, padding_idx: int, scale_grad_by_freq: bool
+) -> torch.Tensor:
+    """The embedding table's gradient, for bf16/f16 tables summed in f32 per token id and rounded once, as
+    PyTorch's decomposition does, but without its f32 table: that zero-fills a ``num_weights x dim`` f32 tensor,
+    scatters every token's row into it and rounds the whole table (for a language model's vocabulary, three
+    passes over a table twice the weight's size, and twice its memory at the step's end, where memory peaks).
+
+    Here the rows are summed in f32 per distinct id into a ``tokens x dim`` buffer (the ids sorted, each
+    token's group numbered by a running count of where the sorted id changes), and each group's rounded sum
+    is added into narrow zeros at its id: each row of the table receives one sum and zeros, so it is exact.
+    Rows of ``padding_idx`` and ids out of range contribute nothing, as in PyTorch. f32/f64 tables,
+    ``scale_grad_by_freq`` and runtime-sized token counts (a bucketed program, whose padding a sort would mix
+    in) take PyTorch's decomposition."""
+    result_dtype = grad_output.dtype
+    symbolic = any(isinstance(size, torch.SymInt) for size in grad_output.shape)
+    if result_dtype not in (torch.bfloat16, torch.float16) or scale_grad_by_freq or symbolic:
+        return _TORCH_EMBEDDING_BACKWARD(grad_output, indices, num_weights, padding_idx, scale_grad_by_freq)
+    ids = indices.reshape(-1).long()
+    width = math.prod(grad_output.shape[indices.dim():])
+    rows = grad_output.reshape(ids.shape[0], width).float()
+    kept = (ids >= 0) & (ids < num_weights) & (ids != padding_idx)
+    ids = torch.where(kept, ids, 0)
+    rows = torch.where(kept.unsqueeze(1), rows, 0)
+    sorted_ids, order = torch.sort(ids, stable=True)
+    starts = torch.cat([torch.ones_like(kept[:1]), sorted_ids[1:] != sorted_ids[:-1]])
+    group_in_order = torch.cumsum(starts.long(), 0) - 1
+    group = torch.zeros_like(group_in_order).index_put((order,), group_in_order)
+    sums = rows.new_zeros(rows.shape).index_put((group,), rows, accumulate=True)
+    first_sums = torch.where(starts.unsqueeze(1), sums[group_in_order], 0).to(result_dtype)
+    table = grad_output.new_zeros((num_weights, width)).index_put((sorted_ids,), first_sums, accumulate=True)
+    return table.reshape((num_weights, *grad_output.shape[indices.dim():]))
+
+
+_TORCH_EMBEDDING_BACKWARD = get_decompositions([aten.embedding_dense_backward])[aten.embedding_dense_backward.default]
+
+
 def weight_norm_interface(v: torch.Tensor, g: torch.Tensor, dim: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """``_weight_norm_interface`` as torch decomposes it, except that a 1-d ``v`` (nothing to reduce besides
     ``dim``) keeps one norm per element, as eager's kernel does: the table's ``v.norm(2, ())`` reduces over
@@ -200,22 +237,23 @@ def fused_multiply_add(a: torch.Tensor, b: Any, c: torch.Tensor) -> torch.Tensor
     return a * b + c
 
 
-def decomposition_table(lowered_custom_ops: frozenset[str] = frozenset(), attention_kernel: bool = False
-                        ) -> dict[torch._ops.OpOverload, Callable]:
+def decomposition_table(lowered_custom_ops: frozenset[str] = frozenset(), attention_kernel: bool = False,
+                        compact_embedding_grad: bool = True) -> dict[torch._ops.OpOverload, Callable]:
     """The table handed to AOTAutograd (treat it as read-only). ``prims.fma`` exists only once Dynamo has
     imported Inductor's prims (as it does when it first traces an ``addcmul_`` with a value), so the table
     is built anew, once, when it appears. Custom ops (``torch.library.custom_op``) not named in
     ``lowered_custom_ops`` are traced through their implementations (``traced_implementations``); the table is built
     anew when those ops or their implementations change. With ``attention_kernel``, PyTorch's fused attention
-    kernels go to the TPU kernel op where it takes them (``fused_attention``)."""
+    kernels go to the TPU kernel op where it takes them (``fused_attention``); with ``compact_embedding_grad``,
+    low-precision embedding gradients are summed per token id (``embedding_dense_backward``)."""
     fma = getattr(torch.ops.prims, "fma", None)
     return _table(fma.default if fma is not None else None, traced_implementations.traced_ops(lowered_custom_ops),
-                  attention_kernel)
+                  attention_kernel, compact_embedding_grad)
 
 
 @functools.cache
-def _table(fma: torch._ops.OpOverload | None, traced: tuple[tuple[str, str], ...], attention_kernel: bool
-           ) -> dict[torch._ops.OpOverload, Callable]:
+def _table(fma: torch._ops.OpOverload | None, traced: tuple[tuple[str, str], ...], attention_kernel: bool,
+           compact_embedding_grad: bool) -> dict[torch._ops.OpOverload, Callable]:
     table = dict(core_aten_decompositions())
     table.update(traced_implementations.traced_implementations(traced))
     if fma is not None:
@@ -228,6 +266,8 @@ def _table(fma: torch._ops.OpOverload | None, traced: tuple[tuple[str, str], ...
     table[aten.nll_loss_backward.default] = nll_loss_backward
     table[aten.nll_loss2d_backward.default] = nll_loss_backward
     table[aten._weight_norm_interface.default] = weight_norm_interface
+    if compact_embedding_grad:
+        table[aten.embedding_dense_backward.default] = embedding_dense_backward
     table.update(fused_attention_decompositions(attention_kernel))
     table.update(fused_layer_decompositions())
     table.update(fractional_pooling_decompositions())
