@@ -203,7 +203,8 @@ def embedding_dense_backward(
     if result_dtype not in (torch.bfloat16, torch.float16) or scale_grad_by_freq or symbolic:
         return _TORCH_EMBEDDING_BACKWARD(grad_output, indices, num_weights, padding_idx, scale_grad_by_freq)
     ids = indices.reshape(-1).long()
-    width = math.prod(grad_output.shape[indices.dim():])
+    row_shape = grad_output.shape[indices.dim():]
+    width = math.prod(row_shape)
     rows = grad_output.reshape(ids.shape[0], width).float()
     kept = (ids >= 0) & (ids < num_weights) & (ids != padding_idx)
     ids = torch.where(kept, ids, 0)
@@ -215,7 +216,7 @@ def embedding_dense_backward(
     sums = rows.new_zeros(rows.shape).index_put((group,), rows, accumulate=True)
     first_sums = torch.where(starts.unsqueeze(1), sums[group_in_order], 0).to(result_dtype)
     table = grad_output.new_zeros((num_weights, width)).index_put((sorted_ids,), first_sums, accumulate=True)
-    return table.reshape((num_weights, *grad_output.shape[indices.dim():]))
+    return table.reshape((num_weights, *row_shape))
 
 
 _TORCH_EMBEDDING_BACKWARD = get_decompositions([aten.embedding_dense_backward])[aten.embedding_dense_backward.default]

@@ -235,26 +235,22 @@ class _Decisions:
         choices it made, so it is another executable, never a wrong one."""
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            lock: Any = filelock.FileLock(str(self.path) + ".lock")
-        except OSError:
-            lock = None
-        if lock is not None:
-            try:
-                lock.acquire(timeout=self._patience())
-            except filelock.Timeout:
-                self.busy_since = time.monotonic()
-                self.known.update(self._read())  # the file is replaced whole: safe to read without the lock
-                found = self.known.get(sign)
-                if found is None:
-                    log.info("tpucompile: another process holds the host-kernel timing lock (%s); %s keeps "
-                             "XLA's op in this compile", lock.lock_file, what)
-                    found = {"op": what, "host": False}
-                return found
-        try:
+        except OSError:  # no lock file can be made: time without one
             return self._measure_locked(sign, xla_program, host_program, target, what)
-        finally:
-            if lock is not None:
-                lock.release()
+        lock = filelock.FileLock(str(self.path) + ".lock")
+        try:
+            held = lock.acquire(timeout=self._patience())
+        except filelock.Timeout:
+            self.busy_since = time.monotonic()
+            self.known.update(self._read())  # the file is replaced whole: safe to read without the lock
+            found = self.known.get(sign)
+            if found is None:
+                log.info("tpucompile: another process holds the host-kernel timing lock (%s); %s keeps "
+                         "XLA's op in this compile", lock.lock_file, what)
+                found = {"op": what, "host": False}
+            return found
+        with held:
+            return self._measure_locked(sign, xla_program, host_program, target, what)
 
     def _patience(self) -> float:
         """Seconds to wait for the lock now: none while a recent wait ran out, else ``_LOCK_PATIENCE_SECONDS``."""
@@ -265,7 +261,7 @@ class _Decisions:
     def _measure_locked(
         self, sign: str, xla_program: str, host_program: Callable[[], str], target: Any, what: str
     ) -> dict[str, Any]:
-        """``_measure`` once the machine's lock is held."""
+        """``_measure`` once the machine's lock is held (or where no lock file can be made)."""
         self.known.update(self._read())
         found = self.known.get(sign)
         if found is not None:
