@@ -86,6 +86,13 @@ class Options:
     which read the forward's saved bf16 values as arguments, gain bytes and peak memory
     (``lowering/rules/matmul.py``)."""
 
+    prescale_attention_query: bool = True
+    """On the attention kernel's route (a TPU target), the query is multiplied by the attention's scale as an
+    op of the graph and the kernel runs with scale 1, so the forward saves the scaled query and XLA fuses the
+    multiply into the query's producer (its split and transpose); False scales it inside the kernel's lowering,
+    a separate pass over the query in the forward and another in the backward (the same values up to one
+    rounding of the query gradient). Measured on the TPU target in ``docs/benchmarks.md``."""
+
     narrow_elementwise: bool = True
     """bf16/f16 elementwise ops that round the same computed in their operands' own dtype as in f32 (add,
     subtract and multiply without scaling, squares, negation, abs, max/min/clamp, comparisons) are emitted in

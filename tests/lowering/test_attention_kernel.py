@@ -120,6 +120,53 @@ def test_kernel_route_in_interpret_mode_matches_eager_for_each_head_size(head_di
         q, k, v, grad=True, attention="interpret", atol=1e-4, rtol=1e-4)
 
 
+def _relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((actual.double() - expected.double()).norm() / expected.double().norm())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_query_scaled_in_the_graph_equals_scaling_inside_the_kernel(compile_events, dtype):
+    """``prescale_attention_query`` (on by default): the forward graph multiplies the query by the scale and
+    calls the kernel op with scale 1, so the backward receives the scaled query; off, the op carries the
+    scale. Both routes, run by Pallas' interpreter, give the output and gradients of float64 eager within the
+    input dtype's precision (float32: to 1e-4 elementwise; bfloat16, where single elements of eager's
+    own result are several units in the last place off: 1% of the norm), and each other's."""
+    q, k, v = _qkv(dtype, heads=4, kv_heads=2, length=128, head_dim=64, batch=2)
+
+    def attend(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, scale=0.3)
+
+    def run(fn, inputs):
+        inputs = [t.clone().requires_grad_() for t in inputs]
+        out = fn(*inputs)
+        out.float().square().sum().backward()
+        return [out.detach(), *(t.grad for t in inputs)]
+
+    expected = run(attend, [t.double() for t in (q, k, v)])
+    results = {}
+    for prescale in (True, False):
+        compile_events.clear()
+        torch._dynamo.reset()
+        results[prescale] = run(torch.compile(attend, backend="tpucompile", options={
+            "attention": "interpret", "prescale_attention_query": prescale, "cache_mode": "off"}), (q, k, v))
+        forward = next(e.graph for e in compile_events if e.name.endswith("(forward)"))
+        calls = [n for n in forward.graph.nodes if n.target is torch.ops.tpucompile.attention.default]
+        assert len(calls) == 1
+        query_producer = calls[0].args[0]
+        if prescale:
+            assert calls[0].args[-1] == 1.0
+            assert query_producer.target is torch.ops.aten.mul.Tensor and query_producer.args[1] == 0.3
+        else:
+            assert calls[0].args[-1] == 0.3 and query_producer.op == "placeholder"
+        for actual, reference in zip(results[prescale], expected, strict=True):
+            if dtype == torch.float32:
+                torch.testing.assert_close(actual, reference.float(), atol=1e-4, rtol=1e-4)
+            else:
+                assert _relative_error(actual, reference) < 1e-2
+    for on, off in zip(results[True], results[False], strict=True):
+        assert _relative_error(on, off) < (1e-6 if dtype == torch.float32 else 1e-2)
+
+
 @needs_libtpu
 @pytest.mark.parametrize("mode", ["auto", "math"])
 def test_programs_for_a_tpu_target_call_the_kernel_and_the_cpu_program_does_not(mode):

@@ -64,8 +64,8 @@ def _routes(monkeypatch) -> list[str]:
     seen: list[str] = []
     original = attention_frontend.rewrite_attention
 
-    def recording(gm, kernel=False):
-        count = original(gm, kernel=kernel)
+    def recording(gm, **options):
+        count = original(gm, **options)
         seen.extend(n.meta["attention"] for n in gm.graph.nodes if "attention" in n.meta)
         return count
 

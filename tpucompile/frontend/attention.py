@@ -64,6 +64,15 @@ def attention_with_plan(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     return attention_ops.attention_with_grad(query, key, value, kv_valid, left, right, scale)[0]
 
 
+def attention_with_scaled_query(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                                kv_valid: torch.Tensor | None, left: int, right: int, scale: float) -> torch.Tensor:
+    """``attention_with_plan`` with the query scaled by an op of the graph and the kernel run with scale 1.
+    The kernel takes its query scaled; scaled here, the forward saves the scaled query for the backward, so
+    the multiply happens once, where XLA fuses it into the query's own producer, instead of in each program's
+    kernel lowering apart from it (option ``prescale_attention_query``)."""
+    return attention_ops.attention_with_grad(query * scale, key, value, kv_valid, left, right, 1.0)[0]
+
+
 @dataclasses.dataclass(frozen=True)
 class KernelCall:
     """How an attention node goes to the kernel: its (unrepeated) key and value and its proved mask."""
@@ -213,9 +222,10 @@ _HIDING_ATTENTION = {F.multi_head_attention_forward: (multi_head_attention_math,
 """Functions Dynamo keeps as one call though they call attention inside: their math and kernel routings."""
 
 
-def rewrite_attention(gm: torch.fx.GraphModule, kernel: bool = False) -> int:
+def rewrite_attention(gm: torch.fx.GraphModule, kernel: bool = False, prescale_query: bool = False) -> int:
     """Point every attention call at its math form, or with ``kernel`` each one the kernel takes at
-    ``attention_with_kernel``; returns how many were rewritten. Each rewritten node records the choice in its
+    ``attention_with_plan`` (``attention_with_scaled_query`` with ``prescale_query``); returns how many were
+    rewritten. Each rewritten node records the choice in its
     meta (``"attention"``: ``"kernel"`` or ``"math: <why>"``), which the graph dump shows. Calls that hide
     attention inside them (``F.multi_head_attention_forward``) run with their attention routed the same way:
     otherwise PyTorch's fused kernel would reach autograd, whose backward is another fused kernel."""
@@ -231,7 +241,7 @@ def rewrite_attention(gm: torch.fx.GraphModule, kernel: bool = False) -> int:
             if isinstance(call, KernelCall):
                 replaced.extend(a for a in node.all_input_nodes)
                 query = node.args[0] if node.args else node.kwargs["query"]
-                node.target = attention_with_plan
+                node.target = attention_with_scaled_query if prescale_query else attention_with_plan
                 node.args = (query, call.key, call.value, call.plan.kv_valid, call.plan.left, call.plan.right,
                              call.scale)
                 node.kwargs = {}

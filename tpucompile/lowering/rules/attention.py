@@ -8,7 +8,8 @@ band is a ``CausalMask``, any other band a ``LocalMask``, no band a ``FullMask``
 (``kv_valid``) becomes segment ids: every query in segment 1, each key in segment 1 where it is valid and 0
 where it is padding. Grouped-query attention runs the multi-query form of the kernel per key/value head,
 so each key/value head is read once for its whole group of query heads. Splash attention takes the query
-already scaled, as a JAX user scales it.
+already scaled, as a JAX user scales it: by default the graph scales it before the op, which then carries
+scale 1 and the lowering leaves the query as it is (``frontend/attention.py``, ``prescale_attention_query``).
 
 The forward saves the kernel's log-sum-exp; the backward is the kernel family's own backward passes (dk/dv,
 then dq), fed the saved output and log-sum-exp, as jax's custom VJP feeds them: no forward is recomputed.
@@ -214,6 +215,11 @@ def _vmapped(fn, with_segments: bool, per_head: int = 0):
     return jax.vmap(inner, in_axes=(0, 0, 0, segment_axis) + (0,) * per_head)
 
 
+def _scaled(query, scale: float):
+    """The query as the kernel takes it, scaled (a query the graph scaled already comes with scale 1)."""
+    return query if scale == 1.0 else (query * scale).astype(query.dtype)
+
+
 def splash_forward(query, key, value, kv_valid=None, *, left: int, right: int, scale: float,
                    interpret: bool = False):
     """``(out, lse)`` by jax's Pallas TPU splash-attention kernel."""
@@ -226,7 +232,7 @@ def splash_forward(query, key, value, kv_valid=None, *, left: int, right: int, s
         out, (lse,) = kernel(q, k, v, segment_ids=segments)
         return out, lse
 
-    scaled = _per_kv_head((query * scale).astype(query.dtype), key.shape[1])
+    scaled = _per_kv_head(_scaled(query, scale), key.shape[1])
     out, lse = _vmapped(one_head, kv_valid is not None)(scaled, key, value, _segments(kv_valid, length_q))
     out, lse = out.reshape(query.shape).astype(query.dtype), lse.reshape(batch, heads, length_q)
     if kv_valid is not None:
@@ -267,7 +273,7 @@ def splash_backward(grad_out, query, key, value, out, lse, kv_valid=None, *, lef
     backward = _private_backward()
     kernel = splash_kernel(length_q, key.shape[2], heads // kv_heads, left, right, interpret,
                            save_residuals=backward is not None)
-    scaled = _per_kv_head((query * scale).astype(query.dtype), kv_heads)
+    scaled = _per_kv_head(_scaled(query, scale), kv_heads)
     segments = _segments(kv_valid, length_q)
     if backward is None:  # recompute the forward, through the kernel's own custom VJP
         def one_head(q, k, v, segment_ids, do):
@@ -293,5 +299,7 @@ def splash_backward(grad_out, query, key, value, out, lse, kv_valid=None, *, lef
         per_head = (_per_kv_head(grad_out, kv_heads), _per_kv_head(out, kv_heads), saved_lse)
     grad_query, grad_key, grad_value = _vmapped(one_head, segments is not None, len(per_head))(
         scaled, key, value, segments, *per_head)
-    grad_query = (grad_query.reshape(query.shape).astype(jnp.float32) * scale).astype(query.dtype)
-    return grad_query, grad_key.astype(key.dtype), grad_value.astype(value.dtype)
+    grad_query = grad_query.reshape(query.shape)
+    if scale != 1.0:
+        grad_query = grad_query.astype(jnp.float32) * scale
+    return grad_query.astype(query.dtype), grad_key.astype(key.dtype), grad_value.astype(value.dtype)
