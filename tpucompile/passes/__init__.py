@@ -12,6 +12,7 @@ from collections.abc import Callable
 import torch
 import torch.fx
 
+from tpucompile.passes.concat_sums import sum_concatenations_by_part
 from tpucompile.passes.constants import lift_large_constants
 from tpucompile.passes.dead_code import eliminate_dead_code
 from tpucompile.passes.noop_views import remove_noop_views
@@ -34,16 +35,20 @@ def run_passes(
     mesh: Mesh | None = None,
     plan: ShardPlan | None = None,
     processes: int = 1,
+    sum_concatenations: bool = True,
 ) -> PassResult:
-    """Clean ``gm`` in place: drop no-op views and dead code, lift large constants; with a ``mesh``, annotate
-    the inputs and outputs with their shardings (``plan``: a plan bound to the graph's Dynamo inputs;
-    ``processes``: how many processes share the mesh).
+    """Clean ``gm`` in place: drop no-op views, sum concatenations part by part (``sum_concatenations``),
+    drop dead code, lift large constants; with a ``mesh``, annotate the inputs and outputs with their
+    shardings (``plan``: a plan bound to the graph's Dynamo inputs; ``processes``: how many processes share
+    the mesh).
 
     ``after_pass(name, gm)``, when given, sees the graph after each pass (dumps show every step).
     """
     remove_noop_views(gm)
     if after_pass:
         after_pass("remove_noop_views", gm)
+    if sum_concatenations and sum_concatenations_by_part(gm) and after_pass:
+        after_pass("sum_concatenations_by_part", gm)
     eliminate_dead_code(gm)
     if after_pass:
         after_pass("eliminate_dead_code", gm)
@@ -66,4 +71,5 @@ __all__ = [
     "remove_noop_views",
     "run_passes",
     "saved_value_mismatch",
+    "sum_concatenations_by_part",
 ]
