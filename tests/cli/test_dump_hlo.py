@@ -23,9 +23,10 @@ from tpucompile.cache import cache_key
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MINGPT = os.path.join(ROOT, "examples", "mingpt.py")
-FILES = ["fx.txt", "aten_0_aot_autograd.txt", "aten_1_remove_noop_views.txt", "aten_2_eliminate_dead_code.txt",
-         "aten_3_lift_large_constants.txt", "aten.txt", "locations.txt", "stablehlo.mlir", "stablehlo.mlirbc",
-         "hlo.txt", "hlo_optimized.txt", "compile_options.txt", "key.json", "info.json"]
+FILES = ["fx.txt", "aten_0_aot_autograd.txt", "aten_1_remove_noop_views.txt",
+         "aten_2_sum_concatenations_by_part.txt", "aten_3_eliminate_dead_code.txt", "aten_4_lift_large_constants.txt",
+         "aten.txt", "locations.txt", "stablehlo.mlir", "stablehlo.mlirbc", "hlo.txt", "hlo_optimized.txt",
+         "compile_options.txt", "key.json", "info.json"]
 LOC = re.compile(r'loc\("(?P<op>[^"]+)"\("(?P<file>[^"]+)":(?P<line>\d+):(?P<col>\d+)\)\)')
 
 

@@ -47,8 +47,10 @@ def run_passes(
     remove_noop_views(gm)
     if after_pass:
         after_pass("remove_noop_views", gm)
-    if sum_concatenations and sum_concatenations_by_part(gm) and after_pass:
-        after_pass("sum_concatenations_by_part", gm)
+    if sum_concatenations:
+        sum_concatenations_by_part(gm)
+        if after_pass:
+            after_pass("sum_concatenations_by_part", gm)
     eliminate_dead_code(gm)
     if after_pass:
         after_pass("eliminate_dead_code", gm)
