@@ -225,10 +225,10 @@ _HIDING_ATTENTION = {F.multi_head_attention_forward: (multi_head_attention_math,
 def rewrite_attention(gm: torch.fx.GraphModule, kernel: bool = False, prescale_query: bool = False) -> int:
     """Point every attention call at its math form, or with ``kernel`` each one the kernel takes at
     ``attention_with_plan`` (``attention_with_scaled_query`` with ``prescale_query``); returns how many were
-    rewritten. Each rewritten node records the choice in its
-    meta (``"attention"``: ``"kernel"`` or ``"math: <why>"``), which the graph dump shows. Calls that hide
-    attention inside them (``F.multi_head_attention_forward``) run with their attention routed the same way:
-    otherwise PyTorch's fused kernel would reach autograd, whose backward is another fused kernel."""
+    rewritten. Each rewritten node records the choice in its meta (``"attention"``: ``"kernel"`` or
+    ``"math: <why>"``), which the graph dump shows. Calls that hide attention inside them
+    (``F.multi_head_attention_forward``) run with their attention routed the same way: otherwise PyTorch's
+    fused kernel would reach autograd, whose backward is another fused kernel."""
     rewritten = 0
     replaced: list[torch.fx.Node] = []
     for node in gm.graph.nodes:
