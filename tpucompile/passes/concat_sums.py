@@ -48,8 +48,7 @@ def sum_concatenations_by_part(gm: torch.fx.GraphModule) -> int:
         node.replace_all_uses_with(result)
         graph.erase_node(node)
         rewritten += 1
-    if rewritten:
-        gm.graph.eliminate_dead_code()
+    if rewritten:  # the concatenation stays where the products read it; dead code goes in the next pass
         gm.recompile()
     return rewritten
 
