@@ -21,13 +21,12 @@ import torch.fx
 from torch._dynamo.backends.common import aot_autograd
 
 from tpucompile import plan_replay
-from tpucompile.config import Options, compact_embedding_grad_for, narrow_products_for
+from tpucompile.config import Options, narrow_products_for
 from tpucompile.debug import recorder as dump
-from tpucompile.driver import compile_graph, custom_ops_lowered_whole, record_graph, resolve_targets
+from tpucompile.driver import compile_graph, decompositions_for, record_graph, resolve_targets
 from tpucompile.errors import OptionsError
 from tpucompile.frontend import (
     USES_KEY,
-    decomposition_table,
     fitting_partition,
     graph_input_uses,
     mark_donatable,
@@ -88,9 +87,7 @@ def tpucompile_backend(
             fw_compiler=compiler("forward"),
             bw_compiler=compiler("backward"),
             inference_compiler=compiler("inference"),
-            decompositions=decomposition_table(
-                custom_ops_lowered_whole(targets), targets.attention_kernel,
-                compact_embedding_grad_for(config.compact_embedding_grad, config.mesh)),
+            decompositions=decompositions_for(targets, config),
             partition_fn=fitting_partition(config, uses),
         )(gm, example_inputs))
     return compiled if recorder is None else recorder.take_over(compiled)

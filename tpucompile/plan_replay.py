@@ -43,8 +43,7 @@ import torch
 import torch.fx
 
 from tpucompile import artifacts, driver
-from tpucompile.config import Options, compact_embedding_grad_for
-from tpucompile.frontend import decomposition_table
+from tpucompile.config import Options
 from tpucompile.lowering import ShapeBindings, custom_ops
 from tpucompile.runtime import GraphExecutable
 
@@ -87,9 +86,7 @@ def plan_components(
         "deterministic": [torch.are_deterministic_algorithms_enabled(),
                           torch.is_deterministic_algorithms_warn_only_enabled()],
         "functorch_config": _functorch_settings(),
-        "decompositions": _table_digest(decomposition_table(
-            driver.custom_ops_lowered_whole(targets), targets.attention_kernel,
-            compact_embedding_grad_for(options.compact_embedding_grad, options.mesh))),
+        "decompositions": _table_digest(driver.decompositions_for(targets, options)),
         # every one, not only those of this graph's ops: the backward's ops (a custom op's autograd formula may
         # call another) show only in the ATen graphs, whose programs the plan names by key
         "jax_lowerings": custom_ops.registrations(targets.lowered_for.platform),

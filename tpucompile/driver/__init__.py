@@ -19,7 +19,12 @@ from tpucompile.driver.events import (
 )
 from tpucompile.driver.executable_assembly import load_compiled_graph
 from tpucompile.driver.graphs import compile_graph
-from tpucompile.driver.resolved_targets import CompileTargets, custom_ops_lowered_whole, resolve_targets
+from tpucompile.driver.resolved_targets import (
+    CompileTargets,
+    custom_ops_lowered_whole,
+    decompositions_for,
+    resolve_targets,
+)
 
 __all__ = [
     "CompileEvent",
@@ -27,6 +32,7 @@ __all__ = [
     "add_observer",
     "compile_graph",
     "custom_ops_lowered_whole",
+    "decompositions_for",
     "executable_cache",
     "graphs_compiled",
     "load_compiled_graph",

@@ -7,8 +7,9 @@ from __future__ import annotations
 import dataclasses
 
 from tpucompile.artifacts import ArtifactTiers, artifact_tiers
-from tpucompile.config import Options
+from tpucompile.config import Options, compact_embedding_grad_for
 from tpucompile.contracts import target_names
+from tpucompile.frontend.decompositions import decomposition_table
 from tpucompile.frontend.traced_implementations import custom_op_overloads
 from tpucompile.lowering import custom_ops
 from tpucompile.lowering.registry import lookup_rule
@@ -68,3 +69,10 @@ def custom_ops_lowered_whole(targets: CompileTargets) -> frozenset[str]:
     the compile lowers for. AOTAutograd traces the others through their implementations."""
     return frozenset(name for name, op in custom_op_overloads().items()
                      if lookup_rule(op) is not None or custom_ops.lowers(op, targets.platforms))
+
+
+def decompositions_for(targets: CompileTargets, options: Options) -> dict:
+    """The decomposition table AOTAutograd traces a compile for ``targets`` under ``options`` with: the one the
+    backend hands it and the one a cached plan's key digests, so the two never differ."""
+    return decomposition_table(custom_ops_lowered_whole(targets), targets.attention_kernel,
+                               compact_embedding_grad_for(options.compact_embedding_grad, options.mesh))
