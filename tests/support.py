@@ -20,6 +20,8 @@ TOLERANCES = {
     torch.float64: dict(atol=1e-7, rtol=1e-7),
     torch.bfloat16: dict(atol=1e-2, rtol=1.6e-2),
     torch.float16: dict(atol=1e-3, rtol=1e-3),
+    torch.complex64: dict(atol=1e-5, rtol=1.3e-6 * 10),
+    torch.complex128: dict(atol=1e-7, rtol=1e-7),
 }
 
 
@@ -94,15 +96,21 @@ def _clone_inputs(inputs: Sequence[Any], grad: bool) -> list[Any]:
     for value in inputs:
         if isinstance(value, torch.Tensor):
             value = value.detach().clone()
-            if grad and value.is_floating_point():
+            if grad and (value.is_floating_point() or value.is_complex()):
                 value.requires_grad_(True)
         cloned.append(value)
     return cloned
 
 
+def _as_real(tensor: torch.Tensor) -> torch.Tensor:
+    """A float32 view of an output for a real loss: a complex one as its (real, imaginary) pairs."""
+    return torch.view_as_real(tensor.resolve_conj()).float() if tensor.is_complex() else tensor.float()
+
+
 def _backward(output: Any) -> None:
     tensors = [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
-    total = sum((t.float() * torch.linspace(0.5, 1.5, t.numel()).reshape(t.shape)).sum() for t in tensors)
+    total = sum((_as_real(t) * torch.linspace(0.5, 1.5, _as_real(t).numel()).reshape(_as_real(t).shape)).sum()
+                for t in tensors)
     total.backward()
 
 

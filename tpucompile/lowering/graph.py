@@ -39,7 +39,7 @@ from tpucompile.lowering import (
     unmerged,
 )
 from tpucompile.lowering.context import mlir_context
-from tpucompile.lowering.registry import LoweringContext, is_random, lookup_rule, size_bound
+from tpucompile.lowering.registry import LoweringContext, is_random, lookup_rule, size_bound, takes_complex
 from tpucompile.lowering.rng import SEED_SHAPE, RandomStream
 from tpucompile.lowering.shapes import ShapeBindings
 from tpucompile.lowering.types import SUPPORTED_DTYPES, TensorSpec, spec_of, spec_type
@@ -518,7 +518,18 @@ def unsupported_reason(node: torch.fx.Node) -> str | None:
                 return f"dtype {item.dtype} is not supported: {diagnostics.describe_node(node)}"
     if _rule(node.target) is None:
         return f"no lowering for {diagnostics.describe_node(node)}"
+    if not takes_complex(node.target) and _has_complex_tensor(node):
+        return (f"complex values are not lowered for this op (its lowering is a real-only algorithm): "
+                f"{diagnostics.describe_node(node)}")
     return None
+
+
+def _has_complex_tensor(node: torch.fx.Node) -> bool:
+    values = [*node.args, *node.kwargs.values(), node]
+    metas = [m for v in values for m in (_meta(v) if isinstance(_meta(v), list) else [_meta(v)])]
+    val = node.meta.get("val")
+    metas += list(val) if isinstance(val, (list, tuple)) else []
+    return any(isinstance(m, torch.Tensor) and m.dtype.is_complex for m in metas)
 
 
 def _rule(op: object) -> Any:

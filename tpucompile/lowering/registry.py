@@ -91,6 +91,9 @@ class LoweringRule:
     a TPU does not compute them correctly rounded, so they are not marked. Such calls are emitted narrow (with
     ``narrow_elementwise``): the converts around every bf16 op are then XLA's to place inside its fusions,
     where explicit ones let its TPU compiler keep f32 copies of bf16 values in HBM."""
+    complex_values: bool = True
+    """Whether the rule is right for complex operands; False for rules written after a real-only algorithm,
+    which then refuse complex values up front (``unsupported_reason``) rather than compute something else."""
 
     def __call__(self, ctx: LoweringContext, args: list[Any], kwargs: dict[str, Any]) -> Any:
         if self.promote is None:
@@ -144,7 +147,7 @@ class LoweringRule:
 def _exact_in(number: Any, dtype: torch.dtype) -> bool:
     """Whether the Python number converts to ``dtype`` without rounding."""
     if not isinstance(number, (int, float)):
-        return False
+        return False  # a complex number is never narrow: no bf16/f16 operand promotes to complex
     try:
         return torch.tensor(number, dtype=dtype).item() == number
     except (OverflowError, RuntimeError):
@@ -157,7 +160,7 @@ def always(args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
 
 
 def _is_operand(arg: Any) -> bool:
-    return isinstance(arg, (ir.Value, bool, int, float))
+    return isinstance(arg, (ir.Value, bool, int, float, complex))
 
 
 def _promotion_arg(meta: Any, arg: Any) -> Any:
@@ -176,6 +179,7 @@ def register_rule(
     random: bool = False,
     bound: Callable[..., int] | None = None,
     exact_narrow: Callable[[Sequence[Any], dict[str, Any]], bool] | None = None,
+    complex_values: bool = True,
 ) -> Callable[[Rule], Rule]:
     """Register ``fn`` as the lowering of ``ops`` (an overload packet registers all its overloads).
 
@@ -185,12 +189,13 @@ def register_rule(
     with a data-dependent result size: it is called like the op, with a ``TensorSpec`` for each tensor, and
     returns the size the results are padded to. ``exact_narrow`` (elementwise rules) says when a call is
     exact computed in its bf16/f16 operands' own dtype (``LoweringRule.exact_narrow``; ``always`` for ops
-    exact whatever their other arguments).
+    exact whatever their other arguments). ``complex_values=False`` marks rules that are right only for real
+    operands.
     """
 
     def decorate(fn: Rule) -> Rule:
         rule = LoweringRule(fn, promote, tuple(operands) if operands is not None else None, random, bound,
-                            exact_narrow)
+                            exact_narrow, complex_values)
         for op in ops:
             overloads = (
                 [getattr(op, name) for name in op.overloads()]
@@ -220,3 +225,8 @@ def size_bound(op: object) -> Callable[..., int] | None:
     rule = _RULES.get(op)  # type: ignore[arg-type]
     return None if rule is None else rule.bound
 
+
+def takes_complex(op: object) -> bool:
+    """Whether the rule for ``op`` (if any) is right for complex operands."""
+    rule = _RULES.get(op)  # type: ignore[arg-type]
+    return rule is None or rule.complex_values

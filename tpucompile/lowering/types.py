@@ -42,6 +42,8 @@ def _element_type_builders() -> dict[torch.dtype, object]:
         torch.int32: lambda: ir.IntegerType.get_signless(32),
         torch.int64: lambda: ir.IntegerType.get_signless(64),
         torch.uint8: lambda: ir.IntegerType.get_unsigned(8),
+        torch.complex64: lambda: ir.ComplexType.get(ir.F32Type.get()),
+        torch.complex128: lambda: ir.ComplexType.get(ir.F64Type.get()),
     }
 
 
@@ -58,6 +60,8 @@ NUMPY_DTYPES: dict[torch.dtype, np.dtype] = {
     torch.int32: np.dtype(np.int32),
     torch.int64: np.dtype(np.int64),
     torch.uint8: np.dtype(np.uint8),
+    torch.complex64: np.dtype(np.complex64),
+    torch.complex128: np.dtype(np.complex128),
 }
 
 
@@ -88,6 +92,8 @@ _DTYPES_BY_NAME: dict[str, torch.dtype] = {
     "i32": torch.int32,
     "i64": torch.int64,
     "ui8": torch.uint8,
+    "complex<f32>": torch.complex64,
+    "complex<f64>": torch.complex128,
 }
 
 

@@ -2,8 +2,9 @@
 
 jaxlib's own DLPack entry points are used directly: they skip the per-tensor Python work of
 ``jax.dlpack.from_dlpack``/``torch.from_dlpack``, which matters when a graph has dozens of inputs.
-Non-contiguous tensors are made contiguous first: a strided tensor would otherwise be imported with a
-layout that the executable ignores, silently giving wrong results.
+Non-contiguous tensors are made contiguous first, and lazily conjugated or negated ones resolved: either
+would otherwise be imported with a layout or values that the executable ignores, silently giving wrong
+results.
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ def shares_tensor_memory(tensor: torch.Tensor, device: object) -> bool:
 
 def to_buffer(tensor: torch.Tensor, device: object) -> object:
     """A PJRT buffer holding ``tensor``'s values on ``device`` (zero-copy when the memory is shared)."""
+    if tensor.is_conj() or tensor.is_neg():
+        # DLPack carries no conjugate or negative bit: the values the tensor shows are written out
+        tensor = tensor.resolve_conj().resolve_neg()
     if not tensor.is_contiguous():
         tensor = tensor.contiguous()
     if not shares_tensor_memory(tensor, device):

@@ -6,6 +6,14 @@ broadcasting aligns dimensions) is written once. Rules import this package, neve
 need an active MLIR context, location and insertion point, which the graph lowering sets up around each rule.
 """
 
+from tpucompile.lowering.builder.complex_parts import (
+    as_float_pairs,
+    conjugate,
+    from_float_pairs,
+    from_parts,
+    imaginary_part,
+    real_part,
+)
 from tpucompile.lowering.builder.constants import constant, constant_like, dense_constant, iota, scaled
 from tpucompile.lowering.builder.dtypes import accumulator_dtype, convert, dtype_of, max_value, min_value
 from tpucompile.lowering.builder.elementwise import compare, is_nan, select, trunc
@@ -43,11 +51,13 @@ from tpucompile.lowering.builder.shapes import (
 
 __all__ = [
     "accumulator_dtype",
+    "as_float_pairs",
     "at_least_1d",
     "broadcast_in_dims",
     "broadcast_to",
     "compare",
     "concatenate",
+    "conjugate",
     "constant",
     "constant_like",
     "contract_trailing",
@@ -57,6 +67,9 @@ __all__ = [
     "dtype_of",
     "eye",
     "fill_combiner",
+    "from_float_pairs",
+    "from_parts",
+    "imaginary_part",
     "index_coordinates",
     "iota",
     "is_nan",
@@ -65,6 +78,7 @@ __all__ = [
     "numel",
     "per_dim",
     "rank_of",
+    "real_part",
     "reduce",
     "reduce_max",
     "reduce_min",

@@ -25,8 +25,13 @@ def _scalar_attr(value: bool | int | float, dtype: torch.dtype) -> ir.Attribute:
     return ir.IntegerAttr.get(elem, int(value))
 
 
-def constant(value: bool | int | float, dtype: torch.dtype, shape: Sequence[int] = ()) -> ir.Value:
+def constant(value: bool | int | float | complex, dtype: torch.dtype, shape: Sequence[int] = ()) -> ir.Value:
     """A splat constant of ``shape`` filled with the Python scalar ``value`` cast to ``dtype``."""
+    if dtype.is_complex:
+        # No complex attribute in the bindings' scalar builders: the splat is made of its two float parts.
+        part = dtype.to_real()
+        value = complex(value)
+        return hlo.complex(constant(value.real, part, shape), constant(value.imag, part, shape))
     if not dtype.is_floating_point:
         value = int(value)  # a float filling an integer tensor truncates toward zero, as in torch
         if dtype is not torch.bool:
@@ -37,7 +42,7 @@ def constant(value: bool | int | float, dtype: torch.dtype, shape: Sequence[int]
     return hlo.constant(attr)
 
 
-def constant_like(value: bool | int | float, like: ir.Value) -> ir.Value:
+def constant_like(value: bool | int | float | complex, like: ir.Value) -> ir.Value:
     """A splat of ``value`` with the dtype and shape of ``like``."""
     return constant(value, dtype_of(like), shape_of(like))
 

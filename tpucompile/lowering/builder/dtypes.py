@@ -18,11 +18,18 @@ def convert(value: ir.Value, dtype: torch.dtype) -> ir.Value:
     """Cast with PyTorch semantics; a no-op when the dtype already matches.
 
     StableHLO's convert already matches torch for the cases that matter: float → int truncates toward
-    zero, anything → bool is ``!= 0``, bool → number is 0/1.
+    zero, anything → bool is ``!= 0``, bool → number is 0/1. Complex to real keeps the real part, as torch
+    does.
     """
     spec = spec_of(value)
     if spec.dtype == dtype:
         return value
+    if spec.dtype.is_complex and not dtype.is_complex:
+        # torch keeps the real part (and warns); StableHLO leaves complex-to-real converts undefined.
+        value = hlo.real(value)
+        return convert(value, dtype)
+    if dtype.is_complex and not spec.dtype.is_complex and spec.dtype is not dtype.to_real():
+        value = convert(value, dtype.to_real())  # a real part of the complex type's own width, imaginary 0
     return hlo.convert(tensor_type(spec.shape, dtype), value)
 
 

@@ -11,7 +11,7 @@ from tpucompile.lowering.builder.dtypes import dtype_of
 
 
 def _comparison_type(dtype: torch.dtype) -> str:
-    if dtype.is_floating_point:
+    if dtype.is_floating_point or dtype.is_complex:
         return "FLOAT"
     if dtype is torch.bool or dtype is torch.uint8:
         return "UNSIGNED"

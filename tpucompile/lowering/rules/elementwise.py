@@ -7,8 +7,6 @@ division, ``alpha`` scaling).
 
 from __future__ import annotations
 
-import math
-
 import torch
 from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import stablehlo as hlo
@@ -396,12 +394,3 @@ def _hypot(ctx, a, b):
     result = builder.select(builder.compare(big, zero, "EQ"), zero, result)
     infinite = hlo.or_(builder.compare(a, inf, "EQ"), builder.compare(b, inf, "EQ"))
     return builder.select(infinite, inf, result)
-
-
-@register_rule(aten.angle.default, promote=K.INT_TO_FLOAT)
-def _angle(ctx, x):
-    """The argument of a real number: pi for negative values, 0 otherwise, NaN for NaN."""
-    dtype, shape = builder.dtype_of(x), builder.shape_of(x)
-    zero = builder.constant(0, dtype, shape)
-    angle = builder.select(builder.compare(x, zero, "LT"), builder.constant(math.pi, dtype, shape), zero)
-    return builder.select(builder.is_nan(x), x, angle)

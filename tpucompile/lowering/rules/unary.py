@@ -103,8 +103,16 @@ def _signbit(ctx, x):
     return builder.compare(as_int, builder.constant(0, bits, builder.shape_of(x)), "LT")
 
 
+def _either_part(test, x):
+    """``test`` of a complex value's real part or of its imaginary part (a NaN or an infinity in either part
+    makes the number one, as in torch)."""
+    return hlo.or_(test(ctx=None, x=builder.real_part(x)), test(ctx=None, x=builder.imaginary_part(x)))
+
+
 @register_rule(aten.isnan.default, promote=K.ALWAYS_BOOL)
 def _isnan(ctx, x):
+    if builder.dtype_of(x).is_complex:
+        return _either_part(_isnan, x)
     if not builder.dtype_of(x).is_floating_point:
         return builder.constant(False, torch.bool, builder.shape_of(x))
     return builder.is_nan(x)
@@ -112,6 +120,8 @@ def _isnan(ctx, x):
 
 @register_rule(aten.isinf.default, promote=K.ALWAYS_BOOL)
 def _isinf(ctx, x):
+    if builder.dtype_of(x).is_complex:
+        return _either_part(_isinf, x)
     if not builder.dtype_of(x).is_floating_point:
         return builder.constant(False, torch.bool, builder.shape_of(x))
     return builder.compare(hlo.abs(x), builder.constant_like(float("inf"), x), "EQ")
@@ -119,6 +129,8 @@ def _isinf(ctx, x):
 
 @register_rule(aten.isfinite.default, promote=K.ALWAYS_BOOL)
 def _isfinite(ctx, x):
+    if builder.dtype_of(x).is_complex:
+        return hlo.and_(hlo.is_finite(builder.real_part(x)), hlo.is_finite(builder.imaginary_part(x)))
     if not builder.dtype_of(x).is_floating_point:
         return builder.constant(True, torch.bool, builder.shape_of(x))
     return hlo.is_finite(x)

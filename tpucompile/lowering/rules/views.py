@@ -340,6 +340,22 @@ def _view_dtype(ctx, x, dtype):
     """Reinterpret the bits; a size change splits or merges the last dimension, as torch does."""
     source = builder.dtype_of(x)
     target = ctx.aval_out.dtype
+    if source.is_complex:
+        # XLA bitcasts no complex type: the (real, imaginary) pairs are the complex value's bits
+        pairs = builder.as_float_pairs(x)
+        merged = builder.reshape(pairs, (*builder.shape_of(x)[:-1], builder.shape_of(x)[-1] * 2))
+        return _view_dtype(ctx, merged, target) if target is not source.to_real() else merged
+    if target.is_complex:
+        part = target.to_real()
+        shape = ctx.aval_out.shape
+        floats = x if source is part else _bitcast(x, source, part, (*shape[:-1], shape[-1] * 2))
+        return builder.from_float_pairs(builder.reshape(floats, (*shape, 2)))
+    return _bitcast(x, source, target, ctx.aval_out.shape)
+
+
+def _bitcast(x, source: torch.dtype, target: torch.dtype, out_shape) -> ir.Value:
+    """``x``'s bits as ``target`` values of ``out_shape`` (the last dimension split or merged by the ratio of
+    the item sizes)."""
     if source is torch.bool or target is torch.bool:
         if source.itemsize != target.itemsize:
             raise UnsupportedOpError(f"view of {source} as {target}")
@@ -350,10 +366,10 @@ def _view_dtype(ctx, x, dtype):
     if source.itemsize > target.itemsize:
         ratio = source.itemsize // target.itemsize
         split = hlo.bitcast_convert(tensor_type((*shape, ratio), target), x)
-        return builder.reshape(split, ctx.aval_out.shape)
+        return builder.reshape(split, out_shape)
     ratio = target.itemsize // source.itemsize
     grouped = builder.reshape(x, (*shape[:-1], shape[-1] // ratio, ratio))
-    return hlo.bitcast_convert(tensor_type(ctx.aval_out.shape, target), grouped)
+    return hlo.bitcast_convert(tensor_type(out_shape, target), grouped)
 
 
 def _static_ints(values) -> list[int] | None:

@@ -1,0 +1,127 @@
+"""Complex64 and complex128 values end to end: inputs and outputs across the torch/PJRT exchange (lazy
+conjugate and negative bits included), constants, parts and pairs, pointwise and transcendental ops,
+reductions, products, indexing and views, and gradients in PyTorch's conjugate-Wirtinger convention."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.support import assert_compiles_like_eager, compile_fn
+from tpucompile.errors import UnsupportedOpError
+
+COMPLEX = [torch.complex64, torch.complex128]
+
+
+def _complex(dtype, *shape, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, dtype=dtype, generator=generator)
+
+
+def _tolerance(dtype):
+    return {"atol": 2e-5, "rtol": 2e-5} if dtype is torch.complex64 else {"atol": 1e-10, "rtol": 1e-10}
+
+
+@pytest.mark.parametrize("dtype", COMPLEX, ids=str)
+def test_arithmetic_with_complex_numbers_and_real_tensors(dtype):
+    z, w, r = _complex(dtype, 3, 4), _complex(dtype, 3, 4, seed=1), torch.randn(3, 4)
+    assert_compiles_like_eager(lambda z, w, r: (z * w - 2j, z / (w + 0.5), z + r, r * 1j - z, -z, z * 3, z ** 2),
+                               z, w, r, **_tolerance(dtype))
+
+
+@pytest.mark.parametrize("dtype", COMPLEX, ids=str)
+def test_transcendental_functions(dtype):
+    z = _complex(dtype, 5, 6)
+    functions = (torch.exp, torch.log, torch.sqrt, torch.sin, torch.cos, torch.tan, torch.tanh, torch.sinh,
+                 torch.cosh, torch.reciprocal, torch.rsqrt, torch.sigmoid, torch.log1p, torch.expm1)
+    assert_compiles_like_eager(lambda z: [f(z) for f in functions], z, atol=1e-4, rtol=1e-4)
+    assert_compiles_like_eager(lambda z, w: (torch.pow(z, w), z ** 0.5), z, _complex(dtype, 5, 6, seed=1),
+                               atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", COMPLEX, ids=str)
+def test_parts_pairs_and_the_ops_with_a_complex_meaning(dtype):
+    z = _complex(dtype, 4, 5)
+    part = dtype.to_real()
+    assert_compiles_like_eager(
+        lambda z: (z.real * 2, z.imag + 1, z.conj() * 1, torch.conj_physical(z), z.abs(), z.angle(), z.sgn(),
+                   torch.view_as_real(z), torch.view_as_real(z.conj().resolve_conj()), z == z.conj(), torch.isnan(z)),
+        z, **_tolerance(dtype))
+    a, b = torch.randn(4, 5, dtype=part), torch.randn(5, dtype=part)
+    assert_compiles_like_eager(lambda a, b: (torch.complex(a, b), torch.polar(a.abs(), b),
+                                             torch.view_as_complex(torch.stack([a, a * 2], -1))),
+                               a, b, **_tolerance(dtype))
+
+
+def test_real_angles_and_signs_keep_their_real_meaning():
+    x = torch.tensor([-2.0, -0.0, 0.0, 3.0, float("nan"), float("-inf")])
+    assert_compiles_like_eager(lambda x: (x.angle(), x.sgn()), x)
+
+
+def test_conversions_between_real_and_complex():
+    z, r = _complex(torch.complex64, 3, 4), torch.randn(3, 4, dtype=torch.bfloat16)
+    assert_compiles_like_eager(
+        lambda z, r, i: (z.to(torch.complex128), r.to(torch.complex64), i.to(torch.complex64), z.to(torch.float64)),
+        z, r, torch.arange(12).reshape(3, 4))
+
+
+def test_views_between_complex_and_real_dtypes_reinterpret_the_bits():
+    z, r = _complex(torch.complex64, 3, 4), torch.randn(3, 4)
+    assert_compiles_like_eager(lambda z, r: (z.view(torch.float32), r.view(torch.complex64), z.view(torch.int32),
+                                             z.view(torch.float64), r.view(torch.complex128)), z, r)
+
+
+@pytest.mark.parametrize("dtype", COMPLEX, ids=str)
+def test_reductions_products_and_indexing(dtype):
+    z, w = _complex(dtype, 6, 4), _complex(dtype, 4, 3, seed=1)
+    index = torch.tensor([0, 5, 2])
+    assert_compiles_like_eager(
+        lambda z, w: (z.sum(0), z.mean(1), z.prod(1), z @ w, torch.einsum("ij,jk->ik", z, w),
+                      torch.cat([z, z.conj()], 0)[2:9:3], z[index], z.t().reshape(2, 12), z.flip(0), z.cumsum(0)),
+        z, w, **_tolerance(dtype))
+
+
+def test_lazily_conjugated_and_negated_inputs_pass_their_values():
+    """A conjugate view and a negative view carry their bit beside shared memory; the values a program sees
+    must be the ones the tensors show."""
+    z = _complex(torch.complex64, 3, 4)
+    compiled = compile_fn(lambda a, b: a * 1 + b * 2)
+    expected = z.conj() * 1 + z.conj().imag.neg() * 2
+    torch.testing.assert_close(compiled(z.conj(), z.conj().imag), z.conj() + z.conj().imag * 2)
+    torch.testing.assert_close(compiled(z.conj(), torch._neg_view(z.conj().imag)), expected)
+
+
+def test_complex_constants_in_the_graph():
+    table = torch.tensor([1 + 2j, 3 - 1j, 0.5j, 2], dtype=torch.complex64)
+    assert_compiles_like_eager(lambda z: z * table + torch.full((4,), 1 - 1j), _complex(torch.complex64, 3, 4))
+
+
+@pytest.mark.parametrize("dtype", COMPLEX, ids=str)
+def test_gradients_of_complex_inputs_follow_the_conjugate_wirtinger_convention(dtype):
+    z, w = _complex(dtype, 4, 5), _complex(dtype, 5, 3, seed=1)
+    assert_compiles_like_eager(lambda z, w: ((z @ w).exp() * z.conj().sum(), z.abs(), z.angle(), (z * w.sum(1)).real),
+                               z, w, grad=True, atol=1e-4, rtol=1e-4)
+
+
+def test_a_real_loss_of_complex_intermediates_trains():
+    """Rotary embeddings written with ``polar`` and ``view_as_complex``, as Meta's Llama code does: a real
+    loss, gradients for the real input and the angles."""
+
+    def rotate(x, angles):
+        pairs = torch.view_as_complex(x.reshape(*x.shape[:-1], -1, 2))
+        rotated = pairs * torch.polar(torch.ones_like(angles), angles)
+        return torch.view_as_real(rotated).flatten(-2).sin()
+
+    assert_compiles_like_eager(rotate, torch.randn(2, 8, 16), torch.randn(8, 8), grad=True)
+
+
+def test_complex32_is_refused_by_name():
+    with pytest.raises(Exception, match="complex32") as error:
+        compile_fn(lambda x: x.chalf() * 2, fallback="error")(torch.randn(3))
+    assert isinstance(error.value, UnsupportedOpError) or "UnsupportedOpError" in str(error.value)
+
+
+def test_nan_and_infinity_in_either_part():
+    nan, inf = float("nan"), float("inf")
+    z = torch.complex(torch.tensor([1.0, nan, 1.0, inf, 0.0, 2.0]), torch.tensor([nan, 0.0, -inf, 1.0, 0.0, -3.0]))
+    assert_compiles_like_eager(lambda z: (torch.isnan(z), torch.isinf(z), torch.isfinite(z), z.abs()), z)

@@ -1,0 +1,82 @@
+"""Complex numbers: building them from parts and taking them apart, conjugates, and the ops whose complex
+meaning differs from the real one (``angle``, ``sgn``).
+
+A functional graph holds no lazy conjugate or negative bits: ``_conj`` and ``_neg_view`` are the values they
+show, computed here, and ``resolve_conj``/``resolve_neg`` are identities.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from jax.extend.mlir.dialects import stablehlo as hlo
+
+from tpucompile.lowering import builder
+from tpucompile.lowering.registry import PromotionKind as K
+from tpucompile.lowering.registry import register_rule
+
+aten = torch.ops.aten
+
+
+@register_rule(aten.view_as_real.default)
+def _view_as_real(ctx, x):
+    return builder.as_float_pairs(x)
+
+
+@register_rule(aten.view_as_complex.default)
+def _view_as_complex(ctx, x):
+    return builder.from_float_pairs(x)
+
+
+@register_rule(aten.real.default)
+def _real(ctx, x):
+    return builder.real_part(x)
+
+
+@register_rule(aten.imag.default)
+def _imag(ctx, x):
+    return builder.imaginary_part(x)
+
+
+@register_rule(aten.complex.default)
+def _complex(ctx, real, imaginary):
+    part = ctx.aval_out.dtype.to_real()
+    shape = ctx.aval_out.shape
+    real, imaginary = (builder.broadcast_to(builder.convert(v, part), shape) for v in (real, imaginary))
+    return builder.from_parts(real, imaginary)
+
+
+@register_rule(aten.polar.default)
+def _polar(ctx, magnitude, angle):
+    part = ctx.aval_out.dtype.to_real()
+    shape = ctx.aval_out.shape
+    magnitude, angle = (builder.broadcast_to(builder.convert(v, part), shape) for v in (magnitude, angle))
+    return builder.from_parts(hlo.multiply(magnitude, hlo.cosine(angle)), hlo.multiply(magnitude, hlo.sine(angle)))
+
+
+@register_rule(aten._conj.default, aten.conj_physical.default, aten._conj_physical.default, aten.conj.default)
+def _conj(ctx, x):
+    return builder.conjugate(x)
+
+
+@register_rule(aten._neg_view.default)
+def _neg_view(ctx, x):
+    return hlo.negate(x)
+
+
+@register_rule(aten.resolve_conj.default, aten.resolve_neg.default)
+def _resolved(ctx, x):
+    return x
+
+
+@register_rule(aten.angle.default, promote=K.INT_TO_FLOAT)
+def _angle(ctx, x):
+    """``atan2(imag, real)`` for complex values; for real ones torch gives π for negatives, NaN for NaN and 0
+    otherwise."""
+    if builder.dtype_of(x).is_complex:
+        return hlo.atan2(hlo.imag(x), hlo.real(x))
+    zero = builder.constant_like(0, x)
+    negative = builder.compare(x, zero, "LT")
+    angle = builder.select(negative, builder.constant_like(math.pi, x), zero)
+    return builder.select(builder.is_nan(x), x, angle)
