@@ -125,3 +125,73 @@ def test_nan_and_infinity_in_either_part():
     nan, inf = float("nan"), float("inf")
     z = torch.complex(torch.tensor([1.0, nan, 1.0, inf, 0.0, 2.0]), torch.tensor([nan, 0.0, -inf, 1.0, 0.0, -3.0]))
     assert_compiles_like_eager(lambda z: (torch.isnan(z), torch.isinf(z), torch.isfinite(z), z.abs()), z)
+
+
+# --- reductions and linear algebra whose complex meaning differs from the real one ---------------------------
+
+
+def test_variances_and_norms_of_complex_values_are_real():
+    z, w = _complex(torch.complex64, 5, 6), _complex(torch.complex64, 6, seed=1)
+    assert_compiles_like_eager(
+        lambda z, w: (z.var(0), z.std(1, correction=0), torch.var_mean(z, 1), torch.std_mean(z),
+                      torch.linalg.vector_norm(z), torch.linalg.vector_norm(z, 1, dim=0),
+                      torch.linalg.vector_norm(z, 3), torch.linalg.vector_norm(z, float("inf"), dim=1),
+                      torch.linalg.vector_norm(z, 0), torch.dist(z, w), torch.dist(z, w, 3),
+                      torch.linalg.matrix_norm(z), torch.nn.functional.normalize(z)),
+        z, w, atol=1e-5, rtol=1e-5)
+
+
+def _well_conditioned(n, seed=0, batch=()):
+    a = _complex(torch.complex64, *batch, n, n, seed=seed)
+    return a @ a.mH + n * torch.eye(n, dtype=torch.complex64)
+
+
+@pytest.mark.parametrize("upper", [False, True], ids=["lower", "upper"])
+def test_cholesky_solves_use_the_conjugate_transpose(upper):
+    a, b = _well_conditioned(4), _complex(torch.complex64, 4, 3, seed=2)
+    factor = torch.linalg.cholesky(a, upper=upper)
+    assert_compiles_like_eager(lambda f, b: (torch.cholesky_solve(b, f, upper=upper),
+                                             torch.cholesky_inverse(f, upper=upper)), factor, b, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("left", [True, False], ids=["left", "right"])
+@pytest.mark.parametrize("adjoint", [False, True], ids=["plain", "adjoint"])
+def test_lu_solves_on_either_side_with_and_without_the_adjoint(left, adjoint):
+    a, b = _well_conditioned(4, batch=(2,)), _complex(torch.complex64, 2, 4, 4, seed=3)
+    lu, pivots = torch.linalg.lu_factor(a)
+    assert_compiles_like_eager(
+        lambda lu, b: torch.linalg.lu_solve(lu, pivots, b, left=left, adjoint=adjoint), lu, b, atol=1e-4, rtol=1e-4)
+    assert_compiles_like_eager(lambda a, b: torch.linalg.solve(a, b, left=left), a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_pseudo_inverses_and_householder_products_with_conjugate_transposes():
+    a, c = _complex(torch.complex64, 5, 3), _complex(torch.complex64, 5, 2, seed=1)
+    reflectors, taus = torch.geqrf(a)  # eager: the compiled geqrf is real-only (below)
+    assert_compiles_like_eager(
+        lambda a, h, r, t, c: (torch.linalg.pinv(a), torch.linalg.pinv(h, hermitian=True),
+                               torch.ormqr(r, t, c, transpose=True), torch.ormqr(r, t, c.mT, left=False)),
+        a, _well_conditioned(4), reflectors, taus, c, atol=1e-4, rtol=1e-4)
+
+
+def test_complex_factorisations_are_right_up_to_their_phases():
+    """Singular vectors and eigenvectors of complex matrices are unique only up to a unit complex factor per
+    vector: the values must equal eager's and the factors must rebuild the matrix."""
+    a, h = _complex(torch.complex64, 4, 6), _well_conditioned(5)
+    u, s, vh = compile_fn(lambda a: torch.linalg.svd(a, full_matrices=False))(a)
+    torch.testing.assert_close(s, torch.linalg.svdvals(a), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(u @ torch.diag(s).to(a.dtype) @ vh, a, atol=1e-4, rtol=1e-4)
+    values, vectors = compile_fn(torch.linalg.eigh)(h)
+    torch.testing.assert_close(values, torch.linalg.eigvalsh(h), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(vectors @ torch.diag(values).to(h.dtype) @ vectors.mH, h, atol=1e-3, rtol=1e-4)
+
+
+def test_real_only_factorisations_refuse_complex_values_and_fall_back():
+    a = _complex(torch.complex64, 4, 4)
+    with pytest.raises(Exception, match=r"complex values are not lowered for this op .*aten\.geqrf"):
+        compile_fn(torch.geqrf, fallback="error")(a)
+    torch._dynamo.reset()
+    with pytest.warns(UserWarning, match="runs aten.geqrf.default in eager PyTorch"):
+        reflectors, taus = torch.compile(lambda a: torch.geqrf(a * 2), backend="tpucompile",
+                                         options={"fallback": "eager"})(a)
+    expected = torch.geqrf(a * 2)
+    torch.testing.assert_close((reflectors, taus), expected)

@@ -217,8 +217,8 @@ def _jax_svd(a, full_matrices: bool, compute_uv: bool):
     import jax.numpy as jnp
 
     m, n = a.shape[-2:]
-    if not compute_uv:
-        return jnp.linalg.svd(a, compute_uv=False)
+    if not compute_uv or jnp.iscomplexobj(a):  # the MKL-matching paths below are real-only
+        return jnp.linalg.svd(a, full_matrices=full_matrices, compute_uv=compute_uv)
     if m > n and _mkl_qr_threshold(n) <= m < _lapack_threshold(n):
         return _svd_tall_qr(a, full_matrices)
     if m < n and n >= _lapack_threshold(m):
@@ -456,10 +456,11 @@ def _eigh_small(a, lower: bool):
 
 
 def _jax_eigh(a, lower: bool):
+    import jax.numpy as jnp
     from jax import lax
 
     n = a.shape[-1]
-    if 2 <= n <= _STEQR_MAX_ORDER:
+    if 2 <= n <= _STEQR_MAX_ORDER and not jnp.iscomplexobj(a):  # the MKL-matching path is real-only
         return _batched(functools.partial(_eigh_small, lower=lower), a, core_ranks=(2,))
     vectors, values = lax.linalg.eigh(a, lower=lower, symmetrize_input=False, sort_eigenvalues=True)
     return values, vectors
@@ -511,11 +512,18 @@ def _jax_pinv(a, *tolerances, hermitian: bool, has_atol: bool, has_rtol: bool):
         largest = jnp.max(magnitude, axis=-1, keepdims=True)
         tol = jnp.maximum(atol[..., None], rtol[..., None] * largest)
         inverse = jnp.where(magnitude > tol, 1 / values, 0).astype(dtype)
-        return jnp.matmul(vectors * inverse[..., None, :], jnp.swapaxes(vectors, -1, -2))
+        return jnp.matmul(vectors * inverse[..., None, :], _adjoint(vectors))
     u, s, vh = _jax_svd(a, full_matrices=False, compute_uv=True)
     tol = jnp.maximum(atol[..., None], rtol[..., None] * s[..., :1])
     inverse = jnp.where(s > tol, 1 / s, 0).astype(dtype)
-    return jnp.matmul(jnp.swapaxes(vh, -1, -2) * inverse[..., None, :], jnp.swapaxes(u, -1, -2))
+    return jnp.matmul(_adjoint(vh) * inverse[..., None, :], _adjoint(u))
+
+
+def _adjoint(matrix):
+    """The conjugate transpose (the transpose of a real matrix)."""
+    import jax.numpy as jnp
+
+    return jnp.conj(jnp.swapaxes(matrix, -1, -2))
 
 
 @register_rule(aten.linalg_pinv.atol_rtol_tensor)
@@ -578,7 +586,7 @@ def _jax_geqrf(a):
     return _batched(_geqr2, a, core_ranks=(2,))
 
 
-@register_rule(aten.geqrf.default)
+@register_rule(aten.geqrf.default, complex_values=False)
 def _geqrf(ctx, a):
     specs = list(ctx.avals_out)
     if builder.numel(builder.shape_of(a)) == 0:
@@ -614,8 +622,8 @@ def _jax_ormqr(a, tau, c, left: bool, transpose: bool):
     taus = jnp.zeros((*tau.shape[:-1], size), tau.dtype).at[..., :k].set(tau)
     q = lax.linalg.householder_product(reflectors, taus)
     q = jnp.broadcast_to(q, (*batch, size, size))
-    if transpose:
-        q = jnp.swapaxes(q, -1, -2)
+    if transpose:  # Q^H: the conjugate transpose, for complex reflectors
+        q = jnp.conj(jnp.swapaxes(q, -1, -2))
     return jnp.matmul(q, c) if left else jnp.matmul(c, q)
 
 
@@ -720,7 +728,7 @@ def _jax_ldl_factor(a):
     return _batched(_sytf2_lower, a, core_ranks=(2,))
 
 
-@register_rule(aten.linalg_ldl_factor_ex.default)
+@register_rule(aten.linalg_ldl_factor_ex.default, complex_values=False)
 def _linalg_ldl_factor_ex(ctx, a, *, hermitian=False, check_errors=False):
     # Real matrices only, so hermitian and symmetric factorisations are the same.
     specs = list(ctx.avals_out)
@@ -803,7 +811,7 @@ def _jax_ldl_solve(ld, pivots, b):
     return _batched(_sytrs_lower, ld, pivots, b, core_ranks=(2, 1, 2))[0]
 
 
-@register_rule(aten.linalg_ldl_solve.default)
+@register_rule(aten.linalg_ldl_solve.default, complex_values=False)
 def _linalg_ldl_solve(ctx, ld, pivots, b, *, hermitian=False):
     spec = ctx.aval_out
     if builder.numel(spec.shape) == 0:

@@ -104,12 +104,13 @@ def _cholesky_legacy(ctx, a, upper=False):
     return _cholesky(a, upper)
 
 
-def _triangular_solve(a: Value, b: Value, *, left: bool, lower: bool, unit: bool, transpose: bool) -> Value:
+def _triangular_solve(a: Value, b: Value, *, left: bool, lower: bool, unit: bool, transpose: bool,
+                      conjugate: bool = False) -> Value:
+    """Solve with ``a``, its transpose, or (``conjugate``) its conjugate transpose."""
     batch = _batch_of(builder.shape_of(a), builder.shape_of(b))
     a, b = _broadcast_batch(a, batch), _broadcast_batch(b, batch)
-    return hlo.triangular_solve(
-        a, b, left, lower, unit, hlo.TransposeAttr.get("TRANSPOSE" if transpose else "NO_TRANSPOSE")
-    )
+    kind = "NO_TRANSPOSE" if not transpose else "ADJOINT" if conjugate else "TRANSPOSE"
+    return hlo.triangular_solve(a, b, left, lower, unit, hlo.TransposeAttr.get(kind))
 
 
 @register_rule(aten.linalg_solve_triangular.default)
@@ -125,9 +126,10 @@ def _legacy_triangular_solve(ctx, b, a, upper=True, transpose=False, unitriangul
 
 @register_rule(aten.cholesky_solve.default)
 def _cholesky_solve(ctx, b, factor, upper=False):
-    # A = L L^T (or U^T U): solve with the factor, then with its transpose.
-    y = _triangular_solve(factor, b, left=True, lower=not upper, unit=False, transpose=upper)
-    return _triangular_solve(factor, y, left=True, lower=not upper, unit=False, transpose=not upper)
+    # A = L L^H (or U^H U): solve with the factor, then with its conjugate transpose.
+    y = _triangular_solve(factor, b, left=True, lower=not upper, unit=False, transpose=upper, conjugate=True)
+    return _triangular_solve(factor, y, left=True, lower=not upper, unit=False, transpose=not upper,
+                             conjugate=True)
 
 
 @register_rule(aten.cholesky_inverse.default)
@@ -152,8 +154,9 @@ def _jax_lu(a):
     return lu, (pivots + 1).astype(jnp.int32), info, permutation
 
 
-def _jax_lu_solve(lu, permutation, b, adjoint: bool):
-    """Solve ``A x = b`` (``A^T x = b`` with ``adjoint``) for ``A[permutation] = L U``; batch dims broadcast."""
+def _jax_lu_solve(lu, permutation, b, transpose: bool, conjugate: bool = True):
+    """Solve ``A x = b`` (with ``transpose``: ``A^H x = b``, or ``A^T x = b`` without ``conjugate``) for
+    ``A[permutation] = L U``; batch dims broadcast."""
     import jax.numpy as jnp
     from jax import lax
 
@@ -163,12 +166,12 @@ def _jax_lu_solve(lu, permutation, b, adjoint: bool):
     b = jnp.broadcast_to(b, (*batch, *b.shape[-2:]))
     rows = jnp.broadcast_to(permutation[..., :, None], b.shape)
     solve = functools.partial(lax.linalg.triangular_solve, left_side=True)
-    if not adjoint:
+    if not transpose:
         x = jnp.take_along_axis(b, rows, axis=-2)
         x = solve(lu, x, lower=True, unit_diagonal=True)
         return solve(lu, x, lower=False)
-    x = solve(lu, b, lower=False, transpose_a=True)
-    x = solve(lu, x, lower=True, unit_diagonal=True, transpose_a=True)
+    x = solve(lu, b, lower=False, transpose_a=True, conjugate_a=conjugate)
+    x = solve(lu, x, lower=True, unit_diagonal=True, transpose_a=True, conjugate_a=conjugate)
     inverse = jnp.broadcast_to(jnp.argsort(permutation, axis=-1)[..., :, None], x.shape)
     return jnp.take_along_axis(x, inverse, axis=-2)
 
@@ -184,7 +187,7 @@ def _jax_inv(a):
 
     lu, _, info, permutation = _jax_lu(a)
     eye = jnp.broadcast_to(jnp.eye(a.shape[-1], dtype=a.dtype), a.shape)
-    return _jax_lu_solve(lu, permutation, eye, adjoint=False), info
+    return _jax_lu_solve(lu, permutation, eye, transpose=False), info
 
 
 def _empty_matrix_results(ctx, a, fills: tuple[float, ...]):
@@ -261,9 +264,12 @@ def _jax_lu_solve_op(lu, pivots, b, left: bool, adjoint: bool):
 
     permutation = _permutation_from_pivots(pivots, lu.shape[-1])
     if left:
-        return _jax_lu_solve(lu, permutation, b, adjoint)
-    # X A = B  <=>  A^T X^T = B^T
-    x = _jax_lu_solve(lu, permutation, jnp.swapaxes(b, -1, -2), not adjoint)
+        return _jax_lu_solve(lu, permutation, b, transpose=adjoint)
+    b = jnp.swapaxes(b, -1, -2)
+    if adjoint:  # X A^H = B  <=>  conj(A) X^T = B^T  <=>  A conj(X^T) = conj(B^T)
+        x = jnp.conj(_jax_lu_solve(lu, permutation, jnp.conj(b), transpose=False))
+    else:  # X A = B  <=>  A^T X^T = B^T
+        x = _jax_lu_solve(lu, permutation, b, transpose=True, conjugate=False)
     return jnp.swapaxes(x, -1, -2)
 
 
@@ -283,9 +289,10 @@ def _jax_solve(a, b, left: bool, vector: bool):
     if vector:
         b = b[..., None]
     if left:
-        x = _jax_lu_solve(lu, permutation, b, adjoint=False)
-    else:
-        x = jnp.swapaxes(_jax_lu_solve(lu, permutation, jnp.swapaxes(b, -1, -2), adjoint=True), -1, -2)
+        x = _jax_lu_solve(lu, permutation, b, transpose=False)
+    else:  # X A = B  <=>  A^T X^T = B^T
+        b = jnp.swapaxes(b, -1, -2)
+        x = jnp.swapaxes(_jax_lu_solve(lu, permutation, b, transpose=True, conjugate=False), -1, -2)
     if vector:
         x = x[..., 0]
     return x, lu, pivots, info
@@ -394,7 +401,10 @@ def _sink_tokens(ctx, tokens):
 
 
 def _p_norm(diff: Value, p: float, dims: Sequence[int]) -> Value:
-    """The p-norm of ``diff`` over ``dims``, as PyTorch's distance kernels compute it (p = 0 counts nonzeros)."""
+    """The p-norm of ``diff`` over ``dims``, as PyTorch's distance kernels compute it (p = 0 counts nonzeros);
+    complex differences by their magnitudes."""
+    if builder.dtype_of(diff).is_complex:
+        diff = hlo.abs(diff)
     magnitude = hlo.abs(diff)
     if p == 0:
         nonzero = builder.compare(diff, builder.constant_like(0, diff), "NE")
@@ -560,6 +570,8 @@ def _pdist_backward(ctx, grad, x, p, pdist):
 def _dist(ctx, a, b, p=2):
     spec = ctx.aval_out
     acc = builder.accumulator_dtype(spec.dtype)
+    if builder.dtype_of(a).is_complex or builder.dtype_of(b).is_complex:
+        acc = ctx.operand_metas[0].dtype  # the norm of complex differences is real: subtract as complex
     a, b = builder.convert(a, acc), builder.convert(b, acc)
     shape = tuple(torch.broadcast_shapes(builder.shape_of(a), builder.shape_of(b)))
     diff = hlo.subtract(builder.broadcast_to(a, shape), builder.broadcast_to(b, shape))

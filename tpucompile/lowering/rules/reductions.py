@@ -170,8 +170,21 @@ def _variance(ctx, x, dims, correction):
     mean = _divided(builder.reduce_sum(x, dims), count)
     kept = [1 if i in dims else s for i, s in enumerate(shape)]
     centered = hlo.subtract(x, builder.broadcast_to(builder.reshape(mean, kept), shape))
-    var = _divided(builder.reduce_sum(hlo.multiply(centered, centered), dims), count, correction)
+    if builder.dtype_of(centered).is_complex:  # the mean squared distance: |z - mean|², a real number
+        real, imaginary = builder.real_part(centered), builder.imaginary_part(centered)
+        squares = hlo.add(hlo.multiply(real, real), hlo.multiply(imaginary, imaginary))
+    else:
+        squares = hlo.multiply(centered, centered)
+    var = _divided(builder.reduce_sum(squares, dims), count, correction)
     return var, mean
+
+
+def _in_accumulator(x, out: torch.dtype):
+    """``x`` in the dtype a reduction of it to ``out`` computes in; a complex input stays complex, since its
+    real results (variances, norms) are taken from the complex values."""
+    if builder.dtype_of(x).is_complex:
+        return x
+    return builder.convert(x, builder.accumulator_dtype(out))
 
 
 def _correction(correction, unbiased=None):
@@ -183,7 +196,7 @@ def _correction(correction, unbiased=None):
 @register_rule(aten.var.correction)
 def _var(ctx, x, dim=None, *, correction=None, keepdim=False):
     out = ctx.aval_out.dtype
-    x = builder.convert(x, builder.accumulator_dtype(out))
+    x = _in_accumulator(x, out)
     var, _ = _variance(ctx, x, _dims(x, dim), _correction(correction))
     return _keep(ctx, builder.convert(var, out))
 
@@ -191,18 +204,19 @@ def _var(ctx, x, dim=None, *, correction=None, keepdim=False):
 @register_rule(aten.std.correction)
 def _std(ctx, x, dim=None, *, correction=None, keepdim=False):
     out = ctx.aval_out.dtype
-    x = builder.convert(x, builder.accumulator_dtype(out))
+    x = _in_accumulator(x, out)
     var, _ = _variance(ctx, x, _dims(x, dim), _correction(correction))
     return _keep(ctx, builder.convert(hlo.sqrt(var), out))
 
 
 @register_rule(aten.var_mean.correction)
 def _var_mean(ctx, x, dim=None, *, correction=None, keepdim=False):
-    out = ctx.avals_out[0].dtype
-    x = builder.convert(x, builder.accumulator_dtype(out))
+    var_out, mean_out = ctx.avals_out[0].dtype, ctx.avals_out[1].dtype
+    x = _in_accumulator(x, var_out)
     var, mean = _variance(ctx, x, _dims(x, dim), _correction(correction))
     shape = ctx.avals_out[0].shape
-    return builder.reshape(builder.convert(var, out), shape), builder.reshape(builder.convert(mean, out), shape)
+    return (builder.reshape(builder.convert(var, var_out), shape),
+            builder.reshape(builder.convert(mean, mean_out), shape))
 
 
 def _scan(x, dim: int, combine, identity):
@@ -256,6 +270,8 @@ def _logcumsumexp(ctx, x, dim):
 @register_rule(aten.linalg_vector_norm.default)
 def _vector_norm(ctx, x, ord=2, dim=None, keepdim=False, *, dtype=None):
     out = ctx.aval_out.dtype
+    if builder.dtype_of(x).is_complex:
+        x = hlo.abs(x)  # the norm of complex values is the norm of their magnitudes
     x = builder.convert(x, builder.accumulator_dtype(out))
     dims = _dims(x, dim)
     compute = builder.dtype_of(x)
