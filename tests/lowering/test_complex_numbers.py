@@ -4,6 +4,8 @@ reductions, products, indexing and views, and gradients in PyTorch's conjugate-W
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -195,3 +197,29 @@ def test_real_only_factorisations_refuse_complex_values_and_fall_back():
                                          options={"fallback": "eager"})(a)
     expected = torch.geqrf(a * 2)
     torch.testing.assert_close((reflectors, taus), expected)
+
+
+def test_general_eigendecompositions_match_lapack_on_the_cpu():
+    """``linalg.eig`` through LAPACK's ``geev`` as eager calls it: the same order and the same vectors (unit
+    norm, largest component real), for real and complex matrices; gradients of a phase-free loss."""
+    a, z = torch.randn(2, 5, 5, generator=torch.Generator().manual_seed(4)), _complex(torch.complex64, 4, 4)
+    assert_compiles_like_eager(lambda a, z: (torch.linalg.eig(a), torch.linalg.eigvals(z), torch.linalg.eig(z)),
+                               a, z, atol=1e-4, rtol=1e-4)
+    assert_compiles_like_eager(lambda a: torch.linalg.eigvals(a @ a.mT + a).abs(), a, grad=True, atol=1e-4,
+                               rtol=1e-4)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu is not installed")
+def test_general_eigendecompositions_are_refused_for_a_tpu_by_name(tmp_path):
+    """XLA has no ``geev`` on a TPU: compiling for one refuses the op by name and line, or with the default
+    fallback runs it in eager PyTorch with a warning."""
+    options = {"targets": ["tpu:v5e:1x1"], "cache_dir": str(tmp_path)}
+    x = torch.randn(4, 4, device="meta")
+    with pytest.raises(Exception, match=r"XLA has no lowering of this op for tpu: aten\.linalg_eig\.default"):
+        torch.compile(lambda x: torch.linalg.eigvals(x * 2).abs(), backend="tpucompile",
+                      options={**options, "fallback": "error"})(x)
+    torch._dynamo.reset()
+    with pytest.warns(UserWarning, match="runs aten.linalg_eig.default in eager PyTorch"):
+        out = torch.compile(lambda x: torch.linalg.eigvals(x * 2).abs(), backend="tpucompile",
+                            options={**options, "fallback": "eager"})(x)
+    assert out.shape == (4,) and out.dtype == torch.float32

@@ -39,7 +39,14 @@ from tpucompile.lowering import (
     unmerged,
 )
 from tpucompile.lowering.context import mlir_context
-from tpucompile.lowering.registry import LoweringContext, is_random, lookup_rule, size_bound, takes_complex
+from tpucompile.lowering.registry import (
+    LoweringContext,
+    is_random,
+    lookup_rule,
+    runs_on,
+    size_bound,
+    takes_complex,
+)
 from tpucompile.lowering.rng import SEED_SHAPE, RandomStream
 from tpucompile.lowering.shapes import ShapeBindings
 from tpucompile.lowering.types import SUPPORTED_DTYPES, TensorSpec, spec_of, spec_type
@@ -518,6 +525,9 @@ def unsupported_reason(node: torch.fx.Node) -> str | None:
                 return f"dtype {item.dtype} is not supported: {diagnostics.describe_node(node)}"
     if _rule(node.target) is None:
         return f"no lowering for {diagnostics.describe_node(node)}"
+    platform = jax_bridge.current_platform()
+    if not runs_on(node.target, platform):
+        return f"XLA has no lowering of this op for {platform}: {diagnostics.describe_node(node)}"
     if not takes_complex(node.target) and _has_complex_tensor(node):
         return (f"complex values are not lowered for this op (its lowering is a real-only algorithm): "
                 f"{diagnostics.describe_node(node)}")

@@ -94,6 +94,9 @@ class LoweringRule:
     complex_values: bool = True
     """Whether the rule is right for complex operands; False for rules written after a real-only algorithm,
     which then refuse complex values up front (``unsupported_reason``) rather than compute something else."""
+    platforms: frozenset[str] | None = None
+    """The platforms whose XLA compiles the rule's program (None: every one); elsewhere the op is refused up
+    front and, with the default fallback, runs in eager PyTorch."""
 
     def __call__(self, ctx: LoweringContext, args: list[Any], kwargs: dict[str, Any]) -> Any:
         if self.promote is None:
@@ -180,6 +183,7 @@ def register_rule(
     bound: Callable[..., int] | None = None,
     exact_narrow: Callable[[Sequence[Any], dict[str, Any]], bool] | None = None,
     complex_values: bool = True,
+    platforms: Sequence[str] | None = None,
 ) -> Callable[[Rule], Rule]:
     """Register ``fn`` as the lowering of ``ops`` (an overload packet registers all its overloads).
 
@@ -190,12 +194,12 @@ def register_rule(
     returns the size the results are padded to. ``exact_narrow`` (elementwise rules) says when a call is
     exact computed in its bf16/f16 operands' own dtype (``LoweringRule.exact_narrow``; ``always`` for ops
     exact whatever their other arguments). ``complex_values=False`` marks rules that are right only for real
-    operands.
+    operands; ``platforms`` names the only platforms whose XLA has what the rule emits (a LAPACK call).
     """
 
     def decorate(fn: Rule) -> Rule:
         rule = LoweringRule(fn, promote, tuple(operands) if operands is not None else None, random, bound,
-                            exact_narrow, complex_values)
+                            exact_narrow, complex_values, frozenset(platforms) if platforms else None)
         for op in ops:
             overloads = (
                 [getattr(op, name) for name in op.overloads()]
@@ -230,3 +234,9 @@ def takes_complex(op: object) -> bool:
     """Whether the rule for ``op`` (if any) is right for complex operands."""
     rule = _RULES.get(op)  # type: ignore[arg-type]
     return rule is None or rule.complex_values
+
+
+def runs_on(op: object, platform: str) -> bool:
+    """Whether the rule for ``op`` (if any) emits a program ``platform``'s XLA compiles."""
+    rule = _RULES.get(op)  # type: ignore[arg-type]
+    return rule is None or rule.platforms is None or platform in rule.platforms

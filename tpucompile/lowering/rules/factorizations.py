@@ -486,6 +486,26 @@ def _linalg_eigh(ctx, a, UPLO="L", compute_v=True):
                            params=(lower,))
 
 
+# --- general eigendecomposition -------------------------------------------------------------------------------
+
+
+def _jax_eig(a):
+    """Eigenvalues and right eigenvectors as LAPACK's ``geev`` gives them (jax calls it on the CPU, as PyTorch
+    does): in its order, each vector of unit norm with its largest component real."""
+    from jax import lax
+
+    values, vectors = lax.linalg.eig(a, compute_left_eigenvectors=False)
+    return values, vectors
+
+
+@register_rule(aten.linalg_eig.default, platforms=("cpu",))
+def _linalg_eig(ctx, a):
+    specs = ctx.avals_out
+    if builder.numel(builder.shape_of(a)) == 0:
+        return [_zeros(spec) for spec in specs]
+    return jax_bridge.call("linalg_eig", _jax_eig, [a], list(specs))
+
+
 # --- pseudo-inverse ------------------------------------------------------------------------------------------------
 
 
