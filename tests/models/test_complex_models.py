@@ -6,6 +6,7 @@ mixing). Each trains side by side with its eager twin: losses, logits and parame
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -107,3 +108,44 @@ def test_complex_and_fourier_models_train_like_eager(case, aten_ops, seeded):
         for optimizer in optimizers:
             optimizer.step()
     assert aten_ops >= complex_ops, complex_ops - aten_ops
+
+
+def test_complex_rotary_embeddings_stay_on_buckets(seeded):
+    """Lengths 6, 9 and 13 share the bucket of 16: the rotations (``polar``, ``view_as_complex``) are computed
+    element by element, so their padding stays where the padder ignores it; logits and gradients equal eager."""
+    import tpucompile
+    from tpucompile.errors import TpuCompileWarning
+    from tpucompile.metrics import compile_stats
+
+    torch._dynamo.reset()
+    compile_stats.reset()
+    model = _MetaDecoder()
+    twin = copy.deepcopy(model)
+    compiled = torch.compile(twin, backend="tpucompile", options={**STRICT, "dynamic_mode": "bucket"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", TpuCompileWarning)  # a graph compiled per size fails the test
+        for length in (6, 9, 13):
+            ids = torch.randint(0, 128, (2, length))
+            torch._dynamo.mark_dynamic(ids, 1)
+            (loss, logits), (got_loss, got_logits) = _loss(model, ids), _loss(compiled, ids)
+            torch.testing.assert_close(got_logits, logits, atol=2e-5, rtol=2e-5)
+            model.zero_grad()
+            twin.zero_grad()
+            loss.backward()
+            got_loss.backward()
+            for (name, p), q in zip(twin.named_parameters(), model.parameters(), strict=True):
+                torch.testing.assert_close(p.grad, q.grad, atol=2e-5, rtol=2e-5, msg=lambda m, n=name: f"{n}: {m}")
+    counts = {name: (graph["compiles"], graph["bucket_hits"]) for name, graph in tpucompile.stats()["graphs"].items()}
+    assert counts == {"graph 0 (forward)": (1, 2), "graph 0 (backward)": (1, 2)}, counts
+
+
+def test_a_transform_over_a_padded_dimension_compiles_per_size_and_says_why(seeded):
+    from tpucompile.errors import TpuCompileWarning
+
+    model = _fnet()
+    compiled = torch.compile(copy.deepcopy(model), backend="tpucompile", options={**STRICT, "dynamic_mode": "bucket"})
+    ids = torch.randint(0, 128, (2, 9))
+    torch._dynamo.mark_dynamic(ids, 1)
+    with pytest.warns(TpuCompileWarning, match=r"once per size.*aten\._fft_c2c.*it transforms over a padded dim"):
+        got = _loss(compiled, ids)[1]
+    torch.testing.assert_close(got, _loss(model, ids)[1], atol=2e-5, rtol=2e-5)

@@ -52,6 +52,9 @@ _EXACT: set[Any] = {
     aten.scatter, aten.scatter_add, aten.scatter_reduce,
     # reads at indices torch requires to be in range: only actual elements are read
     aten.gather, aten.index_select,
+    # complex numbers taken apart and put together element by element (a pair's trailing 2 is never padded)
+    aten.view_as_real, aten.view_as_complex, aten.polar, aten.complex, aten.real, aten.imag, aten._conj,
+    aten._neg_view, aten.resolve_conj, aten.resolve_neg,
 }
 """Ops exact under padding whatever their runtime-sized operands (beside pointwise ops, which are tagged)."""
 
@@ -238,6 +241,15 @@ def _accumulates_padding_away(node: torch.fx.Node, runtime: frozenset[sympy.Symb
     return None
 
 
+def _transformed_dims_static(node: torch.fx.Node, runtime: frozenset[sympy.Symbol]) -> str | None:
+    """FFTs: exact when no transformed dimension is runtime-sized (each other index is its own transform)."""
+    x = node.args[0].meta["val"]
+    transformed = {d % x.dim() for d in node.args[1]}
+    if transformed & _dynamic_dims(x, runtime):
+        return "it transforms over a padded dimension"
+    return None
+
+
 _CONDITIONAL: dict[Any, Callable[[torch.fx.Node, frozenset[sympy.Symbol]], str | None]] = {
     aten.index: _static_source, aten.index_put: _accumulates_padding_away,
     aten.view: _reshape_keeps_padding, aten._unsafe_view: _reshape_keeps_padding,
@@ -247,6 +259,8 @@ _CONDITIONAL: dict[Any, Callable[[torch.fx.Node, frozenset[sympy.Symbol]], str |
     aten.slice_scatter: _constant_start(2), aten.select_scatter: _constant_start(2),
     aten.constant_pad_nd: _constant_pads,
     aten.split: _constant_splits, aten.split_with_sizes: _constant_splits, aten.unbind: _constant_splits,
+    aten._fft_c2c: _transformed_dims_static, aten._fft_r2c: _transformed_dims_static,
+    aten._fft_c2r: _transformed_dims_static,
 }
 
 
