@@ -223,3 +223,27 @@ def test_general_eigendecompositions_are_refused_for_a_tpu_by_name(tmp_path):
         out = torch.compile(lambda x: torch.linalg.eigvals(x * 2).abs(), backend="tpucompile",
                             options={**options, "fallback": "eager"})(x)
     assert out.shape == (4,) and out.dtype == torch.float32
+
+
+def test_complex_parameters_train_with_a_compiled_optimiser_step():
+    """AdamW views complex parameters and their state as real pairs (``view_as_real``) inside its step: the
+    compiled model and the compiled step against eager, two steps."""
+    import copy
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8).to(torch.complex64), torch.nn.Linear(8, 1).to(torch.complex64))
+    twin = copy.deepcopy(model)
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, twin)]
+    forward = compile_fn(lambda x: twin(x).abs().pow(2).mean())
+    step = torch.compile(optimizers[1].step, backend="tpucompile", options={"fallback": "error"})
+    for _ in range(2):
+        x = _complex(torch.complex64, 4, 8, seed=_)
+        expected, got = model(x).abs().pow(2).mean(), forward(x)
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+        for optimizer, loss in zip(optimizers, (expected, got), strict=True):
+            optimizer.zero_grad()
+            loss.backward()
+        optimizers[0].step()
+        step()
+        for p, q in zip(twin.parameters(), model.parameters(), strict=True):
+            torch.testing.assert_close(p, q, atol=1e-5, rtol=1e-5)
