@@ -69,10 +69,13 @@ def test_inference_holds_parameters_last_input_and_live_outputs(compile_events):
     assert _change(_held(), before)["outputs"] == 0
 
     with torch.no_grad():  # a new batch: the buffer of the last one goes, the parameters' stay
-        compiled(torch.randn(BATCH, IN))
+        batch = torch.randn(BATCH, IN)
+        compiled(batch)
     change = _change(_held(), before)
     assert change["inputs"] == x.nbytes and change["outputs"] == 0
     assert change["parameters"] == _parameter_bytes(model)
+    del batch  # and an input's buffer goes with the input
+    assert _change(_held(), before)["inputs"] == 0
 
     # XLA's analysis of the program: the arguments and the result as known, and the hidden layer as a
     # temporary (it lies between two products, in neither the arguments nor the results).
@@ -85,10 +88,10 @@ def test_inference_holds_parameters_last_input_and_live_outputs(compile_events):
     assert tpucompile.memory_stats("tpu:0")["graphs"] == {}
 
 
-def test_a_deleted_models_parameters_go_when_the_graph_moves_on():
-    """A compiled graph keeps the buffers of the last arguments it ran on, and through them the tensors: a
-    deleted model's parameters stay held until the graph runs on other parameters (another model of the same
-    structure, which Dynamo runs through the same graph)."""
+def test_a_deleted_models_parameters_go_with_the_model():
+    """A compiled graph lives as long as Dynamo keeps it (past ``torch._dynamo.reset()``: Dynamo installs it
+    as a global of the traced code's module), but it does not keep the buffers of a deleted model's
+    parameters: they go with the model, before the graph runs again, and the parameters with them."""
     torch.manual_seed(0)
     first, second = _model(), _model()
     with torch.no_grad():
@@ -96,12 +99,36 @@ def test_a_deleted_models_parameters_go_when_the_graph_moves_on():
         before = _held()
         weight = weakref.ref(first[0].weight)
         del first
-        assert weight() is not None
-        assert _change(_held(), before)["parameters"] == 0
+        gone = _held()
+        assert weight() is None
+        assert _change(gone, before)["parameters"] == -_parameter_bytes(second)
         torch.compile(second, backend="tpucompile")(torch.randn(BATCH, IN))
-    after = _held()
-    assert weight() is None
-    assert _change(after, before)["parameters"] == 0  # the second model's, in place of the first's
+    assert _change(_held(), before)["parameters"] == 0  # the second model's, in place of the first's
+
+
+@pytest.mark.parametrize("training", [False, True], ids=["inference", "training"])
+def test_twenty_compiled_models_created_and_dropped_leave_memory_flat(training):
+    """A server that builds models and drops them (with ``torch._dynamo.reset()``): every device buffer the
+    runtime held for one is gone after it, whatever the graphs Dynamo keeps, and so are its parameters."""
+    models = []
+    baseline = None
+    for index in range(20):
+        torch.manual_seed(index)
+        model = torch.nn.Sequential(torch.nn.Linear(IN, 4 * HIDDEN), torch.nn.GELU(), torch.nn.Linear(4 * HIDDEN, OUT))
+        compiled = torch.compile(model, backend="tpucompile")
+        x = torch.randn(BATCH, IN)
+        if training:
+            compiled(x).square().mean().backward()
+        else:
+            with torch.no_grad():
+                compiled(x)
+        models.append(weakref.ref(model[0].weight))
+        del model, compiled, x
+        torch._dynamo.reset()
+        held = _held()["held"]
+        baseline = held if baseline is None else baseline
+        assert held == baseline, (index, held, baseline)
+    assert all(reference() is None for reference in models)
 
 
 def test_training_holds_saved_activations_until_the_backward(compile_events):

@@ -21,6 +21,7 @@ made, nothing per buffer reused.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -63,7 +64,12 @@ class GraphExecutable:
         self.constants = list(constants)
         self._resident = resident_buffers(device)
         self._imported: list[Any] = [None] * len(self.input_positions)
-        """Per argument slot, the buffer last imported for it: what keeps it in the resident table."""
+        """Per argument slot, the buffer last imported for it: what keeps it in the resident table, until the
+        next import for the slot or the death of the tensor it was imported from (``_watch``)."""
+        self._watches: list[Any] = [None] * len(self.input_positions)
+        """Per argument slot, a weak reference to the tensor of the slot's buffer, whose callback lets the
+        buffer go: Dynamo keeps a compiled graph (and this executable) for the life of the process, so a
+        deleted model's parameters must not wait for the graph's next call to be freed."""
         self._shares_memory = shares_host_memory(device)
         self._memory = memory_accounting.device_memory(device)
         """Where this executable counts the buffers it keeps (``tpucompile.memory_stats()``)."""
@@ -103,8 +109,20 @@ class GraphExecutable:
             if buffer is None:
                 buffer = self._imported_buffer(tensor, position >= first_constant)
                 imported[slot] = buffer
+                self._watch(slot, tensor)
             buffers.append(buffer)
         return buffers
+
+    def _watch(self, slot: int, tensor: torch.Tensor) -> None:
+        """Drop slot ``slot``'s buffer when ``tensor`` dies, unless the slot has a newer one by then."""
+        watches, imported = self._watches, self._imported
+
+        def release(ref: Any, slot: int = slot) -> None:
+            if watches[slot] is ref:
+                watches[slot] = None
+                imported[slot] = None
+
+        watches[slot] = weakref.ref(tensor, release)
 
     def _imported_buffer(self, tensor: torch.Tensor, constant: bool) -> Any:
         """A new buffer of ``tensor``, remembered for the tensor and counted as held while it lives."""

@@ -36,7 +36,10 @@ def to_buffer(tensor: torch.Tensor, device: object) -> object:
         tensor = tensor.contiguous()
     if not shares_tensor_memory(tensor, device):
         return jax.device_put(_as_numpy(tensor.detach()), device)
-    return _import_dlpack(_tensor_to_capsule(tensor), device, None)
+    # An alias of the tensor crosses, not the tensor: the capsule's reference would otherwise keep the tensor's
+    # Python object alive (PyTorch preserves it while C++ holds the tensor) for as long as the buffer lives,
+    # and a buffer kept for a tensor could then never see the tensor die. The alias holds only the memory.
+    return _import_dlpack(_tensor_to_capsule(tensor.detach()), device, None)
 
 
 def _as_numpy(tensor: torch.Tensor) -> object:
