@@ -11,11 +11,11 @@ in-place change, so it stays valid when the version counter moves: weights that 
 place cross once for the whole run. A buffer that holds a copy (another device, a misaligned tensor) is served
 only while the version counter is the one it was copied at.
 
-An imported buffer holds the tensor (through its DLPack capsule), and torch keeps a tensor's Python object
-alive while anything holds the tensor, so this table holds imported buffers only weakly: the executable that
-imported one keeps it, as long as the argument slot it was imported for has not moved on to another tensor.
-A buffer a program returned does not hold the torch tensor made from it, so that one is held here until the
-tensor dies.
+An imported buffer holds an alias of the tensor (through its DLPack capsule): its memory, not the tensor
+itself, whose Python object torch would otherwise keep alive while the buffer lives. This table holds
+imported buffers only weakly: the executable that imported one keeps it, until the argument slot it was
+imported for moves on to another tensor or the tensor dies. A buffer a program returned does not hold the
+torch tensor made from it, so that one is held here until the tensor dies.
 """
 
 from __future__ import annotations
