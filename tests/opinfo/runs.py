@@ -11,6 +11,7 @@ from tests.opinfo import sweep
 
 FLOOR = pathlib.Path(__file__).with_name("floor.json")
 GRADIENT_FLOOR = pathlib.Path(__file__).with_name("gradient_floor.json")
+COMPLEX_FLOOR = pathlib.Path(__file__).with_name("complex_floor.json")
 
 
 def sweep_env(cache_dir: pathlib.Path, mode: str) -> dict[str, str]:
@@ -20,12 +21,12 @@ def sweep_env(cache_dir: pathlib.Path, mode: str) -> dict[str, str]:
     return env
 
 
-def run_sweep(cache_dir: pathlib.Path, mode: str, max_samples: int, out: pathlib.Path, grad: bool = False
-              ) -> list[dict]:
-    """The float32 OpInfo sweep's first ``max_samples`` of every op (with ``grad``: of every op that supports
-    autograd, forward and input gradients), over two fresh processes started from here, with the cache at
-    ``cache_dir`` in ``mode``; every sample's outcome, also written to ``out``."""
-    argv = ["--max-samples", str(max_samples), *(["--grad"] if grad else [])]
+def run_sweep(cache_dir: pathlib.Path, mode: str, max_samples: int, out: pathlib.Path, grad: bool = False,
+              dtype: str = "float32") -> list[dict]:
+    """The OpInfo sweep's first ``max_samples`` of every op in ``dtype`` (with ``grad``: float32, of every op
+    that supports autograd, forward and input gradients), over two fresh processes started from here, with
+    the cache at ``cache_dir`` in ``mode``; every sample's outcome, also written to ``out``."""
+    argv = ["--max-samples", str(max_samples), "--dtypes", dtype, *(["--grad"] if grad else [])]
     try:
         results = sweep.run_in_processes(argv, 2, env=sweep_env(cache_dir, mode), timeout=1500,
                                            capture=True)

@@ -51,6 +51,7 @@ DTYPES = {
     "float16": torch.float16,
     "int64": torch.int64,
     "bool": torch.bool,
+    "complex64": torch.complex64,
 }
 
 UNDEFINED_VALUES = frozenset({
@@ -70,6 +71,7 @@ _TOLERANCES = {
     torch.float64: (1e-7, 1e-7),
     torch.bfloat16: (1.6e-2, 1e-2),
     torch.float16: (1e-3, 1e-3),
+    torch.complex64: (1.3e-5, 1e-5),
 }
 
 

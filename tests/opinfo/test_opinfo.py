@@ -8,7 +8,10 @@ Regenerate the floor after adding lowerings with ``python -m tests.opinfo.test_o
 (or ``--write-floor --from-json RESULTS.json`` to take it from a sweep's ``--json`` output). The gradient
 floor (``gradient_floor.json``: the first sample of every OpInfo that supports autograd, forward values and
 input gradients) comes from ``python tests/opinfo/sweep.py --grad --max-samples 1 --jobs 2 --json G.json`` and
-``python -m tests.opinfo.test_opinfo --write-gradient-floor G.json``.
+``python -m tests.opinfo.test_opinfo --write-gradient-floor G.json``. The complex64 floor
+(``complex_floor.json``: the first complex64 sample of every OpInfo whose dtypes include complex64) comes from
+``python tests/opinfo/sweep.py --dtypes complex64 --max-samples 1 --jobs 2 --json C.json`` and
+``python -m tests.opinfo.test_opinfo --write-complex-floor C.json``.
 """
 
 from __future__ import annotations
@@ -61,19 +64,46 @@ def test_opinfo_float32_gradient_floor(tmp_path):
     assert len(passing) >= floor["min_pass"], (len(passing), floor["min_pass"])
 
 
+def test_opinfo_complex64_floor(tmp_path):
+    """The first complex64 sample of every OpInfo whose dtypes include complex64: no recorded pass may stop
+    passing (``complex_floor.json``)."""
+    from tests.opinfo.runs import COMPLEX_FLOOR, run_sweep
+
+    floor = json.loads(COMPLEX_FLOOR.read_text())
+    results = [sweep.SampleResult(**r) for r in run_sweep(tmp_path / "cache", "off", floor["max_samples"],
+                                                          tmp_path / "complex.json", dtype="complex64")]
+    passing = _passing(results)
+    regressed = sorted(set(floor["passing"]) - passing)
+    reasons = {f"{r.op}|{r.index}": f"{r.outcome}: {r.detail[:200]}" for r in results
+               if f"{r.op}|{r.dtype}|{r.index}" in regressed}
+    assert not regressed, f"{len(regressed)} samples stopped passing: {reasons}"
+    assert len(passing) >= floor["min_pass"], (len(passing), floor["min_pass"])
+
+
+def write_complex_floor(from_json: str, max_samples: int = 1) -> None:
+    """Record the complex64 floor from a sweep's ``--dtypes complex64 --json`` output."""
+    from tests.opinfo.runs import COMPLEX_FLOOR
+
+    _write_floor_file(COMPLEX_FLOOR, from_json, "complex64", max_samples)
+
+
+def _write_floor_file(path, from_json: str, dtype: str, max_samples: int) -> None:
+    with open(from_json) as source:
+        results = [sweep.SampleResult(**r) for r in json.load(source)]
+    results = [r for r in results if r.dtype == dtype and r.index < max_samples]
+    passing = sorted(_passing(results))
+    counter = sweep.summarize(results)["totals"][dtype]
+    path.write_text(json.dumps({"max_samples": max_samples, "min_pass": len(passing),
+                                "pass_rate": round(sweep.pass_rate(counter), 4), "passing": passing},
+                               indent=0) + "\n")
+    print(f"{dtype} floor: {len(passing)} passing samples, pass rate {100 * sweep.pass_rate(counter):.1f}%")
+
+
 def write_gradient_floor(from_json: str, max_samples: int = 1) -> None:
     """Record the gradient floor from a sweep's ``--grad --json`` output."""
     from tests.opinfo.runs import GRADIENT_FLOOR
 
-    with open(from_json) as source:
-        results = [sweep.SampleResult(**r) for r in json.load(source)]
-    results = [r for r in results if r.dtype == "float32+grad" and r.index < max_samples]
-    passing = sorted(_passing(results))
-    counter = sweep.summarize(results)["totals"]["float32+grad"]
-    GRADIENT_FLOOR.write_text(json.dumps({"max_samples": max_samples, "min_pass": len(passing),
-                                          "pass_rate": round(sweep.pass_rate(counter), 4), "passing": passing},
-                                         indent=0) + "\n")
-    print(f"gradient floor: {len(passing)} passing samples, pass rate {100 * sweep.pass_rate(counter):.1f}%")
+    _write_floor_file(GRADIENT_FLOOR, from_json, "float32+grad", max_samples)
 
 
 def write_floor(max_samples: int = 2, from_json: str | None = None) -> None:
@@ -96,6 +126,8 @@ def write_floor(max_samples: int = 2, from_json: str | None = None) -> None:
 if __name__ == "__main__":
     if "--write-gradient-floor" in sys.argv:
         write_gradient_floor(sys.argv[sys.argv.index("--write-gradient-floor") + 1])
+    elif "--write-complex-floor" in sys.argv:
+        write_complex_floor(sys.argv[sys.argv.index("--write-complex-floor") + 1])
     elif "--write-floor" in sys.argv:
         source = sys.argv[sys.argv.index("--from-json") + 1] if "--from-json" in sys.argv else None
         write_floor(from_json=source)
