@@ -1,7 +1,8 @@
 """Models whose own code computes with complex numbers or FFTs, compiled with ``fallback="error"`` so that no
 op may run in eager PyTorch: Hugging Face's Llama 4 text model (rotary embeddings through ``torch.polar`` and
 ``view_as_complex``), a decoder with Meta's reference rotary embedding, and Hugging Face's FNet (FFT token
-mixing). Each trains side by side with its eager twin: losses, logits and parameters after the steps."""
+mixing). Each trains side by side with its eager twin: losses, logits and every parameter's gradient at each
+step."""
 
 from __future__ import annotations
 
@@ -95,7 +96,7 @@ def test_complex_and_fourier_models_train_like_eager(case, aten_ops, seeded):
     compiled = torch.compile(twin, backend="tpucompile", options=STRICT)
     # SGD: an update linear in the gradient (Adam's first steps would amplify rounding in near-zero ones)
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, twin)]
-    for length in (24, 24, 40):
+    for length in (24, 24):  # the second step runs the programs the first compiled
         ids = torch.randint(0, 128, (2, length))
         (loss, logits), (got_loss, got_logits) = _loss(model, ids), _loss(compiled, ids)
         torch.testing.assert_close(got_logits, logits, atol=2e-5, rtol=2e-5)
@@ -136,7 +137,9 @@ def test_complex_rotary_embeddings_stay_on_buckets(seeded):
             for (name, p), q in zip(twin.named_parameters(), model.parameters(), strict=True):
                 torch.testing.assert_close(p.grad, q.grad, atol=2e-5, rtol=2e-5, msg=lambda m, n=name: f"{n}: {m}")
     counts = {name: (graph["compiles"], graph["bucket_hits"]) for name, graph in tpucompile.stats()["graphs"].items()}
-    assert counts == {"graph 0 (forward)": (1, 2), "graph 0 (backward)": (1, 2)}, counts
+    # graph numbers count up across a process's tests: compare the figures of the forward and the backward
+    assert sorted((name.split("(")[1], figures) for name, figures in counts.items()) == [
+        ("backward)", (1, 2)), ("forward)", (1, 2))], counts
 
 
 def test_a_transform_over_a_padded_dimension_compiles_per_size_and_says_why(seeded):
