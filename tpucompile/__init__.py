@@ -85,7 +85,7 @@ def memory_stats(device: Any = None) -> dict[str, Any]:
     ``"cuda:0"`` (jax's ``gpu:0``), or a platform alone (``"cpu"``: its devices together, peaks summed); or an
     int, the device of that id on the platform tpucompile runs on. The result's ``device`` names the
     selection (``"all"``, ``"cpu:0"``); a device tpucompile never used holds nothing. Programs over a mesh
-    report their graphs' figures, not their buffers.
+    count each device's shards on that device.
     """
     return memory_accounting.snapshot(device)
 

@@ -114,6 +114,7 @@ def gpt() -> None:
     report["reuse"] = reuse()
     report["kept_output"] = kept_output()
     report["fsdp"] = fully_sharded_runs(initial)
+    report["memory"] = mesh_memory()
     print(json.dumps(report))
 
 
@@ -250,6 +251,32 @@ def kept_output() -> dict:
         expected = torch.tanh(layer(x))
     return {"diff": (out - expected).abs().max().item(), "dims": producer.result_dims[0],
             "consumer_placements": consumer.placements}
+
+
+def mesh_memory() -> dict:
+    """Models compiled over a data-parallel mesh, run and dropped in turn: each one's parameter shards are
+    counted on every device while it lives, and nothing stays held after it goes."""
+    import gc
+    import weakref
+
+    mesh = Mesh({"data": 8})
+    held, alive, parameters = [], [], []
+    for index in range(5):
+        torch._dynamo.reset()
+        torch.manual_seed(index)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+        compiled = torch.compile(model, backend="tpucompile", options={"mesh": mesh, "shard": data_parallel(mesh)})
+        compiled(torch.randn(32, 64)).square().mean().backward()
+        gc.collect()
+        alive.append(tpucompile.memory_stats()["held"]["parameters"])
+        parameters.append(sum(p.nbytes for p in model.parameters()))
+        reference = weakref.ref(model[0].weight)
+        del model, compiled
+        torch._dynamo.reset()
+        gc.collect()
+        held.append(tpucompile.memory_stats()["held"])
+        alive[-1] = (alive[-1], reference() is None)
+    return {"held_after": held, "parameters_while_alive": alive, "parameter_bytes": parameters}
 
 
 def host(process_id: int, port: int, cache_dir: str, plan: str = "dp_tp") -> None:

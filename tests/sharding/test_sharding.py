@@ -455,6 +455,21 @@ def test_an_output_the_plan_names_stays_split(gpt_runs):
     assert kept["consumer_placements"] == 0  # the next program takes the device parts as they are
 
 
+@pytest.mark.slow
+def test_mesh_shards_are_counted_per_device_and_go_with_the_model(gpt_runs):
+    """Data parallel over 8 devices: each device holds a replica of the parameters, counted on it; after a
+    model is dropped (with ``torch._dynamo.reset()``) its parameters are gone and the held memory is what
+    it was after the first one went."""
+    memory = gpt_runs["memory"]
+    for (while_alive, freed), parameter_bytes in zip(memory["parameters_while_alive"], memory["parameter_bytes"],
+                                                     strict=True):
+        assert while_alive == 8 * parameter_bytes, (while_alive, parameter_bytes)
+        assert freed
+    first = memory["held_after"][0]
+    assert all(held == first for held in memory["held_after"]), memory["held_after"]
+    assert first["parameters"] == 0
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

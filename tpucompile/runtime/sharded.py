@@ -11,7 +11,8 @@ assembled on the host from its shards.
 Placed values are remembered per torch tensor (same object, storage and version counter), across programs:
 a parameter that did not change since the last call is not sent again, and an activation a forward program
 returned split is handed to the backward program as the device array it already is, when the backward
-expects it laid out the same way.
+expects it laid out the same way. Each argument slot keeps its last placement until the tensor dies or the
+slot moves on; every shard is counted per device for ``tpucompile.memory_stats()``.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ from tpucompile.contracts.calling_convention import (
     draw_seed,
 )
 from tpucompile.errors import ShardingError
-from tpucompile.runtime.transfer import to_buffer, to_tensor
+from tpucompile.metrics import memory_accounting
+from tpucompile.runtime.transfer import shares_tensor_memory, to_buffer, to_tensor
 
 Dims = tuple[tuple[str, ...], ...]
 Index = tuple[tuple[int, int], ...]
@@ -186,22 +188,24 @@ class _Argument:
                                     f"over mesh axes {axes}")
         self.pieces = list(self.sharding.addressable_devices_indices_map(self.shape).items())
 
-    def place(self, tensor: torch.Tensor) -> Any:
-        """A global jax array whose shards on this process's devices hold ``tensor``'s parts."""
-        tensor = tensor.detach()
+    def place(self, tensor: torch.Tensor, use: str = memory_accounting.INPUTS) -> Any:
+        """A global jax array whose shards on this process's devices hold ``tensor``'s parts (counted as
+        ``use`` while they live)."""
+        array = jax.make_array_from_single_device_arrays(self.shape, self.sharding, self._shards(tensor.detach()))
+        _count(array, use, shared=shares_tensor_memory(tensor, next(iter(array.devices()))))
+        return array
+
+    def _shards(self, tensor: torch.Tensor) -> list[Any]:
         if _is_dtensor(tensor):
             local = tensor._local_tensor
             if len(self.pieces) == 1:
                 device, index = self.pieces[0]
                 if tuple(local.shape) == tuple(len(range(self.shape[d])[s]) for d, s in enumerate(index)):
-                    return jax.make_array_from_single_device_arrays(self.shape, self.sharding,
-                                                                    [to_buffer(local, device)])
+                    return [to_buffer(local, device)]
             tensor = tensor.full_tensor()
         if self.replicated:
-            shards = [to_buffer(tensor, device) for device, _ in self.pieces]
-        else:
-            shards = [to_buffer(tensor[index], device) for device, index in self.pieces]
-        return jax.make_array_from_single_device_arrays(self.shape, self.sharding, shards)
+            return [to_buffer(tensor, device) for device, _ in self.pieces]
+        return [to_buffer(tensor[index], device) for device, index in self.pieces]
 
 
 class _Result:
@@ -237,8 +241,13 @@ class _Result:
         """The whole value from the per-device shards of this result."""
         if self.replicated:
             out = to_tensor(shards[0])
+            # torch's tensor holds the first device's shard: counted while its storage lives
+            memory_accounting.device_memory(self.pieces[0][0]).hold(out.untyped_storage(), memory_accounting.OUTPUTS,
+                                                                    out.nbytes)
             if self.keep:
-                _remember(out, jax.make_array_from_single_device_arrays(self.shape, self.sharding, shards))
+                kept = jax.make_array_from_single_device_arrays(self.shape, self.sharding, shards)
+                _remember(out, kept)
+                _count(kept, memory_accounting.OUTPUTS, skip=next(iter(shards[0].devices())))
             return out
         if not self.complete:
             raise ShardingError("a split result is spread over other processes' devices and cannot be gathered "
@@ -249,9 +258,21 @@ class _Result:
             out[_slices(index)] = to_tensor(by_device[device])
         if self.keep and self.sharding is not None:
             devices = self.sharding.addressable_devices_indices_map(self.shape)
-            _remember(out, jax.make_array_from_single_device_arrays(
-                self.shape, self.sharding, [by_device[d] for d in devices]))
+            kept = jax.make_array_from_single_device_arrays(self.shape, self.sharding,
+                                                            [by_device[d] for d in devices])
+            _remember(out, kept)
+            _count(kept, memory_accounting.OUTPUTS)
         return out
+
+
+def _count(array: Any, use: str, shared: bool = False, skip: Any = None) -> None:
+    """Count each device's shard of ``array`` on that device as ``use`` while it lives (the array holds
+    its shards; the arrays it was made from are not them). ``skip``: a device whose shard a torch tensor
+    already holds and counts."""
+    for shard in array.addressable_shards:
+        if shard.device != skip:
+            data = shard.data
+            memory_accounting.device_memory(shard.device).hold(data, use, data.nbytes, shared=shared)
 
 
 def _covers(pieces: Sequence[tuple[Any, Index]], shape: tuple[int, ...]) -> bool:
@@ -302,6 +323,7 @@ class ShardedExecutable:
 
     def arguments(self, args: Sequence[Any]) -> list[Any]:
         """The program's arguments as global jax arrays, reusing the placed shards of unchanged tensors."""
+        first_constant = len(args)
         if self.constants:
             args = [*args, *self.constants]
         arrays = []
@@ -326,12 +348,26 @@ class ShardedExecutable:
                                     f"compiled for {layout.shape}")
             array = _resident_array(tensor, layout.sharding)
             if array is None:
-                array = layout.place(tensor)
+                use = (memory_accounting.CONSTANTS if position >= first_constant else
+                       memory_accounting.PARAMETERS if isinstance(tensor, torch.nn.Parameter) else
+                       memory_accounting.INPUTS)
+                array = layout.place(tensor, use)
                 self.placements += 1
                 _remember(tensor, array)
-            self._placed[slot] = (weakref.ref(tensor), probe._version, probe.data_ptr(), array)
+            self._placed[slot] = (weakref.ref(tensor, self._release(slot)), probe._version, probe.data_ptr(), array)
             arrays.append(array)
         return arrays
+
+    def _release(self, slot: int) -> Any:
+        """The callback that lets slot ``slot``'s placement go when its tensor dies (unless the slot moved on)."""
+        placed = self._placed
+
+        def release(ref: Any) -> None:
+            entry = placed[slot]
+            if entry is not None and entry[0] is ref:
+                placed[slot] = None
+
+        return release
 
     def __call__(self, args: list[Any]) -> list[Any]:
         shards = self.loaded.execute_sharded(self.arguments(args)).disassemble_into_single_device_arrays()
