@@ -54,14 +54,8 @@ def test_opinfo_float32_gradient_floor(tmp_path):
     from tests.opinfo.runs import GRADIENT_FLOOR, run_sweep
 
     floor = json.loads(GRADIENT_FLOOR.read_text())
-    results = [sweep.SampleResult(**r) for r in run_sweep(tmp_path / "cache", "off", floor["max_samples"],
-                                                          tmp_path / "gradients.json", grad=True)]
-    passing = _passing(results)
-    regressed = sorted(set(floor["passing"]) - passing)
-    reasons = {f"{r.op}|{r.index}": f"{r.outcome}: {r.detail[:200]}" for r in results
-               if f"{r.op}|{r.dtype}|{r.index}" in regressed}
-    assert not regressed, f"{len(regressed)} samples stopped passing: {reasons}"
-    assert len(passing) >= floor["min_pass"], (len(passing), floor["min_pass"])
+    _assert_floor_holds(floor, run_sweep(tmp_path / "cache", "off", floor["max_samples"],
+                                         tmp_path / "gradients.json", grad=True))
 
 
 def test_opinfo_complex64_floor(tmp_path):
@@ -70,8 +64,14 @@ def test_opinfo_complex64_floor(tmp_path):
     from tests.opinfo.runs import COMPLEX_FLOOR, run_sweep
 
     floor = json.loads(COMPLEX_FLOOR.read_text())
-    results = [sweep.SampleResult(**r) for r in run_sweep(tmp_path / "cache", "off", floor["max_samples"],
-                                                          tmp_path / "complex.json", dtype="complex64")]
+    _assert_floor_holds(floor, run_sweep(tmp_path / "cache", "off", floor["max_samples"],
+                                         tmp_path / "complex.json", dtype="complex64"))
+
+
+def _assert_floor_holds(floor: dict, outcomes: list[dict]) -> None:
+    """No sample the floor records as passing stopped passing (each named with its outcome), and at least
+    as many pass."""
+    results = [sweep.SampleResult(**r) for r in outcomes]
     passing = _passing(results)
     regressed = sorted(set(floor["passing"]) - passing)
     reasons = {f"{r.op}|{r.index}": f"{r.outcome}: {r.detail[:200]}" for r in results

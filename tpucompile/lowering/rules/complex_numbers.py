@@ -19,24 +19,18 @@ from tpucompile.lowering.registry import register_rule
 aten = torch.ops.aten
 
 
-@register_rule(aten.view_as_real.default)
-def _view_as_real(ctx, x):
-    return builder.as_float_pairs(x)
+def _one_operand(build, *ops) -> None:
+    register_rule(*ops)(lambda ctx, x: build(x))
 
 
-@register_rule(aten.view_as_complex.default)
-def _view_as_complex(ctx, x):
-    return builder.from_float_pairs(x)
-
-
-@register_rule(aten.real.default)
-def _real(ctx, x):
-    return builder.real_part(x)
-
-
-@register_rule(aten.imag.default)
-def _imag(ctx, x):
-    return builder.imaginary_part(x)
+_one_operand(builder.as_float_pairs, aten.view_as_real.default)
+_one_operand(builder.from_float_pairs, aten.view_as_complex.default)
+_one_operand(builder.real_part, aten.real.default)
+_one_operand(builder.imaginary_part, aten.imag.default)
+_one_operand(builder.conjugate, aten._conj.default, aten.conj_physical.default, aten._conj_physical.default,
+             aten.conj.default)
+_one_operand(hlo.negate, aten._neg_view.default)
+_one_operand(lambda x: x, aten.resolve_conj.default, aten.resolve_neg.default)
 
 
 @register_rule(aten.complex.default)
@@ -53,21 +47,6 @@ def _polar(ctx, magnitude, angle):
     shape = ctx.aval_out.shape
     magnitude, angle = (builder.broadcast_to(builder.convert(v, part), shape) for v in (magnitude, angle))
     return builder.from_parts(hlo.multiply(magnitude, hlo.cosine(angle)), hlo.multiply(magnitude, hlo.sine(angle)))
-
-
-@register_rule(aten._conj.default, aten.conj_physical.default, aten._conj_physical.default, aten.conj.default)
-def _conj(ctx, x):
-    return builder.conjugate(x)
-
-
-@register_rule(aten._neg_view.default)
-def _neg_view(ctx, x):
-    return hlo.negate(x)
-
-
-@register_rule(aten.resolve_conj.default, aten.resolve_neg.default)
-def _resolved(ctx, x):
-    return x
 
 
 @register_rule(aten.angle.default, promote=K.INT_TO_FLOAT)
