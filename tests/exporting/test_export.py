@@ -211,6 +211,25 @@ def test_linear_algebra_with_error_checks(tmp_path):
         tpucompile.export(Solve(), (a,), tmp_path / "both", platforms=("cpu", "cuda"))
 
 
+def test_dtype_casts_complex_weights_and_transforms_export(tmp_path):
+    """``.to()`` puts a metadata assertion in torch.export's graph (decided while lowering); a complex64
+    weight crosses in safetensors' ``C64``; FFTs and complex results export and load back."""
+
+    class Spectral(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.filter = torch.nn.Parameter(torch.randn(16, 16, dtype=torch.complex64))
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            spectrum = torch.fft.fft(x.to(torch.complex64) @ self.filter)
+            return spectrum, torch.fft.irfft(spectrum[..., :9], n=16).to(torch.float64)
+
+    torch.manual_seed(3)
+    model, x = Spectral(), torch.randn(4, 16)
+    tpucompile.export(model, (x,), tmp_path)
+    torch.testing.assert_close(tpucompile.load(tmp_path)(x), model(x), atol=1e-4, rtol=1e-4)
+
+
 def test_bfloat16_weights_and_results(tmp_path):
     torch.manual_seed(2)
     model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.GELU()).to(torch.bfloat16).eval()
