@@ -166,9 +166,12 @@ def test_lu_solves_on_either_side_with_and_without_the_adjoint(left, adjoint):
     assert_compiles_like_eager(lambda a, b: torch.linalg.solve(a, b, left=left), a, b, atol=1e-4, rtol=1e-4)
 
 
-def test_pseudo_inverses_and_householder_products_with_conjugate_transposes():
+def test_pseudo_inverses_and_householder_reflectors_with_conjugate_transposes():
+    """``geqrf`` as LAPACK's ``cgeqr2`` makes complex reflectors (a real diagonal of R, complex taus), and
+    ``ormqr`` applies them and their conjugate transposes."""
     a, c = _complex(torch.complex64, 5, 3), _complex(torch.complex64, 5, 2, seed=1)
-    reflectors, taus = torch.geqrf(a)  # eager: the compiled geqrf is real-only (below)
+    assert_compiles_like_eager(lambda a: (torch.geqrf(a), torch.geqrf(a.mT.contiguous())), a, atol=1e-5, rtol=1e-5)
+    reflectors, taus = torch.geqrf(a)
     assert_compiles_like_eager(
         lambda a, h, r, t, c: (torch.linalg.pinv(a), torch.linalg.pinv(h, hermitian=True),
                                torch.ormqr(r, t, c, transpose=True), torch.ormqr(r, t, c.mT, left=False)),
@@ -188,15 +191,14 @@ def test_complex_factorisations_are_right_up_to_their_phases():
 
 
 def test_real_only_factorisations_refuse_complex_values_and_fall_back():
-    a = _complex(torch.complex64, 4, 4)
-    with pytest.raises(Exception, match=r"complex values are not lowered for this op .*aten\.geqrf"):
-        compile_fn(torch.geqrf, fallback="error")(a)
+    a = _well_conditioned(4)
+    with pytest.raises(Exception, match=r"complex values are not lowered for this op .*aten\.linalg_ldl_factor_ex"):
+        compile_fn(torch.linalg.ldl_factor, fallback="error")(a)
     torch._dynamo.reset()
-    with pytest.warns(UserWarning, match="runs aten.geqrf.default in eager PyTorch"):
-        reflectors, taus = torch.compile(lambda a: torch.geqrf(a * 2), backend="tpucompile",
-                                         options={"fallback": "eager"})(a)
-    expected = torch.geqrf(a * 2)
-    torch.testing.assert_close((reflectors, taus), expected)
+    with pytest.warns(UserWarning, match="runs aten.linalg_ldl_factor_ex.default in eager PyTorch"):
+        factors, pivots = torch.compile(lambda a: torch.linalg.ldl_factor(a * 2), backend="tpucompile",
+                                        options={"fallback": "eager"})(a)
+    torch.testing.assert_close((factors, pivots), torch.linalg.ldl_factor(a * 2))
 
 
 def test_general_eigendecompositions_match_lapack_on_the_cpu():

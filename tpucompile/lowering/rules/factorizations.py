@@ -96,6 +96,21 @@ def _larfg(alpha, tail_norm):
     return jnp.where(reflect, beta, alpha), tau, scale
 
 
+def _larfg_complex(alpha, tail_norm):
+    """LAPACK ``clarfg``: as ``_larfg`` for a complex column, ``H^H [alpha; x] = [beta; 0]`` with ``beta`` real,
+    so ``H = I - tau v v^H`` reflects whenever ``x`` is nonzero or ``alpha`` is not real."""
+    import jax.numpy as jnp
+
+    real, imaginary = jnp.real(alpha), jnp.imag(alpha)
+    norm = jnp.sqrt(real * real + imaginary * imaginary + tail_norm * tail_norm)
+    beta = -jnp.where(real >= 0, norm, -norm)
+    reflect = (tail_norm != 0) | (imaginary != 0)
+    safe_beta = jnp.where(reflect, beta, 1)
+    tau = jnp.where(reflect, jnp.asarray((beta - real) / safe_beta - 1j * imaginary / safe_beta, alpha.dtype), 0)
+    scale = jnp.where(reflect, 1 / jnp.where(reflect, alpha - beta, 1), 0)
+    return jnp.where(reflect, beta.astype(alpha.dtype), alpha), tau, scale
+
+
 def _lartg(f, g):
     """LAPACK's ``slartg`` (3.10 and later): (c, s, r) with ``[c s; -s c] [f; g] = [r; 0]``, ``r`` of f's sign."""
     import jax.numpy as jnp
@@ -579,23 +594,24 @@ def _linalg_qr(ctx, a, mode="reduced"):
 
 
 def _geqr2(a):
-    """LAPACK ``sgeqr2`` of one matrix: R on and above the diagonal, the reflectors' tails below, and taus.
-    (``jax.lax.linalg`` has no public ``geqrf``.)"""
+    """LAPACK ``sgeqr2`` (``cgeqr2`` for complex matrices) of one matrix: R on and above the diagonal, the
+    reflectors' tails below, and taus. (``jax.lax.linalg`` has no public ``geqrf``.)"""
     import jax.numpy as jnp
     from jax import lax
 
     m, n = a.shape
     k = min(m, n)
     rows, cols = jnp.arange(m), jnp.arange(n)
+    larfg = _larfg_complex if jnp.iscomplexobj(a) else _larfg
 
     def step(i, state):
         a, taus = state
         column = a[:, i]
-        beta, tau, scale = _larfg(column[i], jnp.linalg.norm(jnp.where(rows > i, column, 0)))
+        beta, tau, scale = larfg(column[i], jnp.linalg.norm(jnp.where(rows > i, column, 0)))
         v = jnp.where(rows > i, column * scale, (rows == i).astype(a.dtype))
-        # H(i) applied to A(i:m, i+1:n) from the left
-        z = jnp.where(cols > i, v @ a, 0)
-        a = a - tau * v[:, None] * z[None, :]
+        # H(i)^H applied to A(i:m, i+1:n) from the left (H^T = H for real reflectors)
+        z = jnp.where(cols > i, jnp.conj(v) @ a, 0)
+        a = a - jnp.conj(tau) * v[:, None] * z[None, :]
         stored = jnp.where(rows > i, v, jnp.where(rows == i, beta, a[:, i]))
         return a.at[:, i].set(stored), taus.at[i].set(tau)
 
@@ -606,7 +622,7 @@ def _jax_geqrf(a):
     return _batched(_geqr2, a, core_ranks=(2,))
 
 
-@register_rule(aten.geqrf.default, complex_values=False)
+@register_rule(aten.geqrf.default)
 def _geqrf(ctx, a):
     specs = list(ctx.avals_out)
     if builder.numel(builder.shape_of(a)) == 0:
