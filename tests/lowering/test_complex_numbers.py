@@ -139,6 +139,7 @@ def test_variances_and_norms_of_complex_values_are_real():
                       torch.linalg.vector_norm(z), torch.linalg.vector_norm(z, 1, dim=0),
                       torch.linalg.vector_norm(z, 3), torch.linalg.vector_norm(z, float("inf"), dim=1),
                       torch.linalg.vector_norm(z, 0), torch.dist(z, w), torch.dist(z, w, 3),
+                      torch.dist(z.real, w), torch.dist(w, z.imag[0], 1),
                       torch.linalg.matrix_norm(z), torch.nn.functional.normalize(z)),
         z, w, atol=1e-5, rtol=1e-5)
 

@@ -570,8 +570,9 @@ def _pdist_backward(ctx, grad, x, p, pdist):
 def _dist(ctx, a, b, p=2):
     spec = ctx.aval_out
     acc = builder.accumulator_dtype(spec.dtype)
-    if builder.dtype_of(a).is_complex or builder.dtype_of(b).is_complex:
-        acc = ctx.operand_metas[0].dtype  # the norm of complex differences is real: subtract as complex
+    promoted = torch.promote_types(builder.dtype_of(a), builder.dtype_of(b))
+    if promoted.is_complex:
+        acc = promoted  # the norm of complex differences is real: subtract as complex
     a, b = builder.convert(a, acc), builder.convert(b, acc)
     shape = tuple(torch.broadcast_shapes(builder.shape_of(a), builder.shape_of(b)))
     diff = hlo.subtract(builder.broadcast_to(a, shape), builder.broadcast_to(b, shape))
