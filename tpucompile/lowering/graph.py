@@ -514,32 +514,31 @@ def unsupported_reason(node: torch.fx.Node) -> str | None:
     val = node.meta.get("val")
     if val is not None and not isinstance(val, (torch.Tensor, list, tuple)):
         return None  # size arithmetic, evaluated while lowering
-    for value in [*node.args, *node.kwargs.values(), node]:
-        metas = _meta(value)
-        for meta in metas if isinstance(metas, list) else [metas]:
-            if isinstance(meta, torch.Tensor) and meta.dtype not in SUPPORTED_DTYPES:
-                return f"dtype {meta.dtype} is not supported: {diagnostics.describe_node(node)}"
-    if isinstance(val, (list, tuple)):
-        for item in val:
-            if isinstance(item, torch.Tensor) and item.dtype not in SUPPORTED_DTYPES:
-                return f"dtype {item.dtype} is not supported: {diagnostics.describe_node(node)}"
+    dtypes = [t.dtype for t in _tensor_metas(node)]
+    for dtype in dtypes:
+        if dtype not in SUPPORTED_DTYPES:
+            return f"dtype {dtype} is not supported: {diagnostics.describe_node(node)}"
     if _rule(node.target) is None:
         return f"no lowering for {diagnostics.describe_node(node)}"
     platform = jax_bridge.current_platform()
     if not runs_on(node.target, platform):
         return f"XLA has no lowering of this op for {platform}: {diagnostics.describe_node(node)}"
-    if not takes_complex(node.target) and _has_complex_tensor(node):
+    if not takes_complex(node.target) and any(dtype.is_complex for dtype in dtypes):
         return (f"complex values are not lowered for this op (its lowering is a real-only algorithm): "
                 f"{diagnostics.describe_node(node)}")
     return None
 
 
-def _has_complex_tensor(node: torch.fx.Node) -> bool:
-    values = [*node.args, *node.kwargs.values(), node]
-    metas = [m for v in values for m in (_meta(v) if isinstance(_meta(v), list) else [_meta(v)])]
+def _tensor_metas(node: torch.fx.Node) -> list[torch.Tensor]:
+    """The traced tensors of ``node``'s arguments and results, in argument order, then the results."""
+    metas = []
+    for value in [*node.args, *node.kwargs.values(), node]:
+        found = _meta(value)
+        metas += found if isinstance(found, list) else [found]
     val = node.meta.get("val")
-    metas += list(val) if isinstance(val, (list, tuple)) else []
-    return any(isinstance(m, torch.Tensor) and m.dtype.is_complex for m in metas)
+    if isinstance(val, (list, tuple)):
+        metas += list(val)
+    return [m for m in metas if isinstance(m, torch.Tensor)]
 
 
 def _rule(op: object) -> Any:
