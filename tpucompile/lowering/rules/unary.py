@@ -103,16 +103,20 @@ def _signbit(ctx, x):
     return builder.compare(as_int, builder.constant(0, bits, builder.shape_of(x)), "LT")
 
 
-def _either_part(test, x):
-    """``test`` of a complex value's real part or of its imaginary part (a NaN or an infinity in either part
-    makes the number one, as in torch)."""
-    return hlo.or_(test(ctx=None, x=builder.real_part(x)), test(ctx=None, x=builder.imaginary_part(x)))
+def _on_parts(test, combine, x):
+    """A float test taken on a complex value's real and imaginary parts and combined (``or_``: a NaN or an
+    infinity in either part makes the number one; ``and_``: finite only when both are), as torch does."""
+    return combine(test(builder.real_part(x)), test(builder.imaginary_part(x)))
+
+
+def _is_infinite(x):
+    return builder.compare(hlo.abs(x), builder.constant_like(float("inf"), x), "EQ")
 
 
 @register_rule(aten.isnan.default, promote=K.ALWAYS_BOOL)
 def _isnan(ctx, x):
     if builder.dtype_of(x).is_complex:
-        return _either_part(_isnan, x)
+        return _on_parts(builder.is_nan, hlo.or_, x)
     if not builder.dtype_of(x).is_floating_point:
         return builder.constant(False, torch.bool, builder.shape_of(x))
     return builder.is_nan(x)
@@ -121,16 +125,16 @@ def _isnan(ctx, x):
 @register_rule(aten.isinf.default, promote=K.ALWAYS_BOOL)
 def _isinf(ctx, x):
     if builder.dtype_of(x).is_complex:
-        return _either_part(_isinf, x)
+        return _on_parts(_is_infinite, hlo.or_, x)
     if not builder.dtype_of(x).is_floating_point:
         return builder.constant(False, torch.bool, builder.shape_of(x))
-    return builder.compare(hlo.abs(x), builder.constant_like(float("inf"), x), "EQ")
+    return _is_infinite(x)
 
 
 @register_rule(aten.isfinite.default, promote=K.ALWAYS_BOOL)
 def _isfinite(ctx, x):
     if builder.dtype_of(x).is_complex:
-        return hlo.and_(hlo.is_finite(builder.real_part(x)), hlo.is_finite(builder.imaginary_part(x)))
+        return _on_parts(hlo.is_finite, hlo.and_, x)
     if not builder.dtype_of(x).is_floating_point:
         return builder.constant(True, torch.bool, builder.shape_of(x))
     return hlo.is_finite(x)
