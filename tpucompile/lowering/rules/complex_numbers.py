@@ -33,19 +33,20 @@ _one_operand(hlo.negate, aten._neg_view.default)
 _one_operand(lambda x: x, aten.resolve_conj.default, aten.resolve_neg.default)
 
 
+def _as_parts(ctx, *values):
+    """Float operands in the result's part dtype (f32 for complex64) and broadcast to its shape."""
+    part = ctx.aval_out.dtype.to_real()
+    return [builder.broadcast_to(builder.convert(v, part), ctx.aval_out.shape) for v in values]
+
+
 @register_rule(aten.complex.default)
 def _complex(ctx, real, imaginary):
-    part = ctx.aval_out.dtype.to_real()
-    shape = ctx.aval_out.shape
-    real, imaginary = (builder.broadcast_to(builder.convert(v, part), shape) for v in (real, imaginary))
-    return builder.from_parts(real, imaginary)
+    return builder.from_parts(*_as_parts(ctx, real, imaginary))
 
 
 @register_rule(aten.polar.default)
 def _polar(ctx, magnitude, angle):
-    part = ctx.aval_out.dtype.to_real()
-    shape = ctx.aval_out.shape
-    magnitude, angle = (builder.broadcast_to(builder.convert(v, part), shape) for v in (magnitude, angle))
+    magnitude, angle = _as_parts(ctx, magnitude, angle)
     return builder.from_parts(hlo.multiply(magnitude, hlo.cosine(angle)), hlo.multiply(magnitude, hlo.sine(angle)))
 
 

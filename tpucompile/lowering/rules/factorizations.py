@@ -659,7 +659,7 @@ def _jax_ormqr(a, tau, c, left: bool, transpose: bool):
     q = lax.linalg.householder_product(reflectors, taus)
     q = jnp.broadcast_to(q, (*batch, size, size))
     if transpose:  # Q^H: the conjugate transpose, for complex reflectors
-        q = jnp.conj(jnp.swapaxes(q, -1, -2))
+        q = _adjoint(q)
     return jnp.matmul(q, c) if left else jnp.matmul(c, q)
 
 
