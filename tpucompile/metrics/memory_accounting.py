@@ -29,6 +29,12 @@ OUTPUTS = "outputs"
 """Program results handed to torch as tensors, for as long as their storage lives (whatever tensor holds it)."""
 USES = (PARAMETERS, INPUTS, CONSTANTS, SAVED_ACTIVATIONS, OUTPUTS)
 
+
+def argument_use(constant: bool, parameter: bool) -> str:
+    """The use a program argument's imported buffer counts as: a graph's lifted constant, an
+    ``nn.Parameter``'s value, or any other input."""
+    return CONSTANTS if constant else PARAMETERS if parameter else INPUTS
+
 _TORCH_PLATFORMS = {"cuda": "gpu"}
 """Torch's device type names that jax spells otherwise."""
 

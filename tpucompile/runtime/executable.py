@@ -129,8 +129,7 @@ class GraphExecutable:
         buffer = to_buffer(tensor, self.device)
         aliases = shares_tensor_memory(tensor, self.device) and buffer.unsafe_buffer_pointer() == tensor.data_ptr()
         self._resident.remember(tensor, buffer, imported=True, shares_memory=self._shares_memory and aliases)
-        use = (memory_accounting.CONSTANTS if constant else
-               memory_accounting.PARAMETERS if isinstance(tensor, torch.nn.Parameter) else memory_accounting.INPUTS)
+        use = memory_accounting.argument_use(constant, isinstance(tensor, torch.nn.Parameter))
         self._memory.hold(buffer, use, tensor.nbytes, shared=aliases)
         return buffer
 

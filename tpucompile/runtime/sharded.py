@@ -348,9 +348,8 @@ class ShardedExecutable:
                                     f"compiled for {layout.shape}")
             array = _resident_array(tensor, layout.sharding)
             if array is None:
-                use = (memory_accounting.CONSTANTS if position >= first_constant else
-                       memory_accounting.PARAMETERS if isinstance(tensor, torch.nn.Parameter) else
-                       memory_accounting.INPUTS)
+                use = memory_accounting.argument_use(position >= first_constant,
+                                                     isinstance(tensor, torch.nn.Parameter))
                 array = layout.place(tensor, use)
                 self.placements += 1
                 _remember(tensor, array)
