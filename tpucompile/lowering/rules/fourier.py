@@ -9,6 +9,7 @@ XLA's inverse scale into torch's own in one multiply.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
@@ -56,22 +57,26 @@ def _in_passes(count: int) -> list[tuple[int, int]]:
     return ranges
 
 
+def _applied_last(value: ir.Value, dims: Sequence[int], transform) -> ir.Value:
+    """``transform`` of ``value`` with ``dims`` moved last (in that order), its result moved back."""
+    moved, back = _to_end(value, dims)
+    return builder.transpose(transform(moved), back)
+
+
 def _complex_passes(value: ir.Value, count: int, kind: str) -> ir.Value:
     """FFT or IFFT over the trailing ``count`` dimensions of a complex value, three at a time (the
     transform is separable, so the passes may run in any order)."""
     rank = builder.rank_of(value)
     dtype = builder.dtype_of(value)
     for start, stop in _in_passes(count):
-        if stop == count:
-            value = _fft(value, kind, builder.shape_of(value)[rank - count + start:], dtype)
-            continue
-        # move this group of dimensions last, transform it, move it back
-        first, last = rank - count + start, rank - count + stop
-        order = [*range(first), *range(last, rank), *range(first, last)]
-        moved = builder.transpose(value, order)
-        moved = _fft(moved, kind, builder.shape_of(moved)[rank - (last - first):], dtype)
-        value = builder.transpose(moved, [order.index(d) for d in range(rank)])
+        value = _applied_last(value, range(rank - count + start, rank - count + stop),
+                              functools.partial(_fft_trailing, kind=kind, count=stop - start, dtype=dtype))
     return value
+
+
+def _fft_trailing(value: ir.Value, kind: str, count: int, dtype: torch.dtype) -> ir.Value:
+    """``_fft`` over the trailing ``count`` dimensions at their own sizes."""
+    return _fft(value, kind, builder.shape_of(value)[-count:], dtype)
 
 
 def _scale(value: ir.Value, normalization: int, signal_size: int, inverse: bool) -> ir.Value:
@@ -122,10 +127,8 @@ def _fft_r2c(ctx, x, dim, normalization, onesided):
 def _leading_complex_passes(value: ir.Value, count: int, done: int, kind: str) -> ir.Value:
     """FFT or IFFT over the ``count - done`` dimensions just before the trailing ``done`` ones."""
     rank = builder.rank_of(value)
-    first, last = rank - count, rank - done
-    order = [*range(first), *range(last, rank), *range(first, last)]
-    moved = _complex_passes(builder.transpose(value, order), last - first, kind)
-    return builder.transpose(moved, [order.index(d) for d in range(rank)])
+    return _applied_last(value, range(rank - count, rank - done),
+                         lambda v: _complex_passes(v, count - done, kind))
 
 
 @register_rule(aten._fft_c2r.default)
