@@ -128,6 +128,11 @@ _ACTUAL_EXTENT_OPS = {
     "gather": lambda x: x.gather(1, x.argsort(1)[:, :2]),
     "split": lambda x: torch.cat([p * (i + 1) for i, p in enumerate(x.split([2, x.shape[1] - 2], 1))], 1),
     "chunk-static-dim": lambda x: torch.stack(x.unsqueeze(2).expand(3, x.shape[1], 4).chunk(2, 2), 0) * 2,
+    # index tensors into the padded dimension: negative ones count from the actual end (the backward adds
+    # into a padded tensor at the same indices); Hugging Face's masks index by runtime-sized positions
+    "negative-index-tensor": lambda x: x[:, [0, -1, -2]] * 2,
+    "index-by-positions": lambda x: x[torch.arange(3)[:, None], torch.arange(x.shape[1]).flip(0)[None, :]] ** 2,
+    "rows-of-a-padded-tensor": lambda x: x.t()[[-1, 0]] * 2,
 }
 
 
@@ -179,9 +184,13 @@ def test_ops_that_read_the_actual_extent_stay_on_buckets(name, caplog, seeded):
     (lambda x: x.median(dim=1).values, "aten.median"),
     (lambda x: x.kthvalue(2, dim=1).values, "aten.kthvalue"),
     (lambda x: torch.nn.functional.layer_norm(x, (x.shape[1],)), "aten.native_layer_norm"),
-    (lambda x: x[:, [0, -1]], "aten.index"),
     (lambda x: torch.outer(x[0], x[1]).reshape(-1), "aten.view"),
-], ids=["median", "kthvalue", "layer-norm-over-padded-dim", "negative-index-tensor", "two-padded-dims-merged"])
+    (lambda x: torch.zeros(4).index_put((x.argmax(0),), torch.tensor(1.0), accumulate=True),
+     "aten.index_put(?=.*it adds updates at padded indices)"),
+    (lambda x: torch.zeros(3, 20).index_put((torch.arange(3)[:, None], x.argsort(1)), x),
+     "aten.index_put(?=.*it writes padded updates in place of values)"),
+], ids=["median", "kthvalue", "layer-norm-over-padded-dim", "two-padded-dims-merged",
+        "index-put-adding-at-padded-indices", "index-put-of-padded-updates"])
 def test_ops_that_read_the_padded_extent_compile_per_size(op, why, caplog, seeded):
     caplog.set_level(logging.INFO, logger="tpucompile")
     compiled = torch.compile(op, backend="tpucompile", options=BUCKETED)

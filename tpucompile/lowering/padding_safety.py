@@ -217,11 +217,14 @@ def _reshape_keeps_padding(node: torch.fx.Node, runtime: frozenset[sympy.Symbol]
     return detail if kind == "inexact" else None
 
 
-def _static_source(node: torch.fx.Node, runtime: frozenset[sympy.Symbol]) -> str | None:
-    """index with index tensors: exact when the indexed tensor is not runtime-sized (each index, padding
-    included, picks a row that exists; the rows picked for the padding are cut away)."""
-    if _dynamic_dims(node.args[0].meta["val"], runtime):
-        return "it indexes into a padded tensor"
+def _integer_indices(node: torch.fx.Node, runtime: frozenset[sympy.Symbol]) -> str | None:
+    """index with index tensors: exact with integer indices. Each index of an actual position is in range of
+    the unpadded tensor (torch checks it) and so picks an actual element; a negative one counts from the actual
+    end (the lowering wraps it by the actual extent); what the padding picks is cut away. A boolean mask picks
+    by its padding too, so it is exact only when nothing it reads is padded."""
+    masks = [i for i in node.args[1] if i is not None and i.meta["val"].dtype in (torch.bool, torch.uint8)]
+    if masks and any(_dynamic_dims(value.meta["val"], runtime) for value in [node.args[0], *masks]):
+        return "it selects by a boolean mask over a padded dimension"
     return None
 
 
@@ -230,15 +233,31 @@ ZERO_PADDED_OPERAND: dict[Any, int] = {aten.index_put.default: 2}
 ``index_put`` adds every update, padding included, at its index: zeros add nothing)."""
 
 
-def _accumulates_padding_away(node: torch.fx.Node, runtime: frozenset[sympy.Symbol]) -> str | None:
-    """index_put: exact when it accumulates into a tensor that is not runtime-sized (the updates' padding is
-    zeroed) and its index tensors' runtime sizes are those of the updates."""
+def _writes_only_actual_elements(node: torch.fx.Node, runtime: frozenset[sympy.Symbol]) -> str | None:
+    """index_put with integer indices: exact when every write that the padding makes is harmless. Indices of
+    actual updates are in range of the unpadded tensor (negative ones wrapped by its actual extent). An
+    accumulating put adds the padding of its updates as zeros (the lowering zeroes it); so it needs each index
+    tensor's runtime sizes to be the updates' (else a padded index would add an actual update somewhere). A
+    replacing put has no such zero: neither its updates nor its indices may be runtime-sized."""
+    if _integer_indices(node, runtime):
+        return _integer_indices(node, runtime)
     accumulate = node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate", False)
-    if not accumulate or node.target is not aten.index_put.default:
-        return "it writes padded updates in place of values"
-    if _dynamic_dims(node.args[0].meta["val"], runtime):
-        return "it writes into a padded tensor"
+    indices = [i.meta["val"] for i in node.args[1] if i is not None]
+    values = node.args[2].meta["val"] if isinstance(node.args[2], torch.fx.Node) else None
+    value_symbols = _runtime_symbols(values, runtime)
+    if not accumulate:
+        if value_symbols or any(_runtime_symbols(index, runtime) for index in indices):
+            return "it writes padded updates in place of values"
+        return None
+    if any(not _runtime_symbols(index, runtime) <= value_symbols for index in indices):
+        return "it adds updates at padded indices"
     return None
+
+
+def _runtime_symbols(value: Any, runtime: frozenset[sympy.Symbol]) -> set[sympy.Symbol]:
+    if not isinstance(value, torch.Tensor):
+        return set()
+    return {symbol for _, expr in dynamic_sizes.symbolic_dims(value, runtime) for symbol in expr.free_symbols & runtime}
 
 
 def _transformed_dims_static(node: torch.fx.Node, runtime: frozenset[sympy.Symbol]) -> str | None:
@@ -251,7 +270,7 @@ def _transformed_dims_static(node: torch.fx.Node, runtime: frozenset[sympy.Symbo
 
 
 _CONDITIONAL: dict[Any, Callable[[torch.fx.Node, frozenset[sympy.Symbol]], str | None]] = {
-    aten.index: _static_source, aten.index_put: _accumulates_padding_away,
+    aten.index: _integer_indices, aten.index_put: _writes_only_actual_elements,
     aten.view: _reshape_keeps_padding, aten._unsafe_view: _reshape_keeps_padding,
     aten.reshape: _reshape_keeps_padding,
     aten.native_layer_norm: _normalised_dims_static, aten.native_layer_norm_backward: _normalised_dims_static,

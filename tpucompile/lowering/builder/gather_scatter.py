@@ -11,7 +11,7 @@ from jax.extend.mlir.dialects import stablehlo as hlo
 from tpucompile.lowering.builder.constants import constant, iota
 from tpucompile.lowering.builder.dtypes import dtype_of
 from tpucompile.lowering.builder.elementwise import compare, select
-from tpucompile.lowering.builder.shapes import concatenate, rank_of, reshape, shape_of
+from tpucompile.lowering.builder.shapes import broadcast_to, concatenate, rank_of, reshape, shape_of
 from tpucompile.lowering.types import tensor_type
 
 
@@ -60,6 +60,14 @@ def wrap_negative(index: ir.Value, size: int) -> ir.Value:
     dtype, shape = dtype_of(index), shape_of(index)
     negative = compare(index, constant(0, dtype, shape), "LT")
     return select(negative, hlo.add(index, constant(size, dtype, shape)), index)
+
+
+def wrap_negative_by(index: ir.Value, size: ir.Value) -> ir.Value:
+    """``index + size`` where ``index < 0``, for a size known when the program runs (a scalar of ``index``'s
+    dtype): negative indices into a dimension padded to a bucket count from its actual end."""
+    dtype, shape = dtype_of(index), shape_of(index)
+    negative = compare(index, constant(0, dtype, shape), "LT")
+    return select(negative, hlo.add(index, broadcast_to(size, shape)), index)
 
 
 def index_coordinates(index: ir.Value, dim: int, size: int) -> ir.Value:

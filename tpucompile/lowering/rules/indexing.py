@@ -78,7 +78,9 @@ class _Advanced:
     """Result dims that are the operand's untouched dims (gather ``offset_dims``, scatter ``update_window_dims``)."""
 
 
-def _advanced(x: Value, indices: Sequence[Value | None]) -> _Advanced | None:
+def _advanced(x: Value, indices: Sequence[Value | None], extents: Sequence[Value | None] = ()) -> _Advanced | None:
+    """``extents``: per operand dim, its actual size where a bucket pads it (negative indices count from the
+    actual end, as they do in the unpadded tensor), else None."""
     shape = builder.shape_of(x)
     entries = list(indices) + [None] * (len(shape) - len(indices))
     positions = [d for d, index in enumerate(entries) if index is not None]
@@ -95,7 +97,12 @@ def _advanced(x: Value, indices: Sequence[Value | None]) -> _Advanced | None:
     batch_shape = tuple(torch.broadcast_shapes(*(builder.shape_of(t) for t in tensors)))
     columns = []
     for d, tensor in zip(positions, tensors, strict=True):
-        column = builder.wrap_negative(builder.convert(tensor, index_dtype), shape[d])
+        column = builder.convert(tensor, index_dtype)
+        extent = extents[d] if d < len(extents) else None
+        if extent is None:
+            column = builder.wrap_negative(column, shape[d])
+        else:
+            column = builder.wrap_negative_by(column, builder.convert(extent, index_dtype))
         columns.append(builder.reshape(builder.broadcast_to(column, batch_shape), (*batch_shape, 1)))
     starts = builder.concatenate(columns, len(batch_shape))
     adjacent = positions == list(range(positions[0], positions[-1] + 1))
@@ -107,9 +114,9 @@ def _advanced(x: Value, indices: Sequence[Value | None]) -> _Advanced | None:
     return _Advanced(positions, starts, batch_shape, result_shape, window_dims)
 
 
-def _take(x: Value, indices: Sequence[Value | None]) -> Value:
+def _take(x: Value, indices: Sequence[Value | None], extents: Sequence[Value | None] = ()) -> Value:
     """``x[indices]`` for a list of optional integer index tensors (``aten.index.Tensor``)."""
-    advanced = _advanced(x, indices)
+    advanced = _advanced(x, indices, extents)
     if advanced is None:
         return x
     positions = advanced.positions
@@ -125,10 +132,11 @@ def _take(x: Value, indices: Sequence[Value | None]) -> Value:
     return hlo.gather(x, advanced.starts, numbers, slice_sizes)
 
 
-def _put(x: Value, indices: Sequence[Value | None], values: Value, combiner: Combiner) -> Value:
+def _put(x: Value, indices: Sequence[Value | None], values: Value, combiner: Combiner,
+         extents: Sequence[Value | None] = ()) -> Value:
     """``x[indices] = values`` (or ``combiner(x[indices], values)``) without mutating ``x``."""
     values = builder.convert(values, builder.dtype_of(x))
-    advanced = _advanced(x, indices)
+    advanced = _advanced(x, indices, extents)
     if advanced is None:
         return combiner(x, builder.broadcast_to(values, builder.shape_of(x)))
     positions = advanced.positions
@@ -179,7 +187,8 @@ def _index(ctx, x, indices):
     masked = _single_mask(indices)
     if masked is not None:
         return _masked_take(x, masked[0], masked[1], ctx.aval_out.shape)
-    return _take(x, indices)
+    meta = ctx.operand_metas[0]
+    return _take(x, indices, [ctx.extent(meta, d) for d in range(meta.dim())])
 
 
 def _masked_take(x: Value, position: int, mask: Value, out_shape: Sequence[int]) -> Value:
@@ -207,7 +216,8 @@ def _index_put(ctx, x, indices, values, accumulate=False):
     masked = _single_mask(indices)
     if masked is not None:
         return _masked_put(x, masked[0], masked[1], values, combiner)
-    return _put(x, indices, values, combiner)
+    meta = ctx.operand_metas[0]
+    return _put(x, indices, values, combiner, [ctx.extent(meta, d) for d in range(meta.dim())])
 
 
 def _single_mask(indices: Sequence[Value | None]) -> tuple[int, Value] | None:
