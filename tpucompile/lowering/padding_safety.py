@@ -43,7 +43,7 @@ _EXACT: set[Any] = {
     aten.embedding,
     # their lowerings count by the actual sizes (``LoweringContext.extent``): a mean's divisor, topk's
     # padding sorted last; XLA's dynamic padder concatenates and sorts by the actual sizes itself
-    aten.mean, aten.var, aten.std, aten.var_mean, aten.topk, aten.cat, aten.sort,
+    aten.mean, aten.var, aten.std, aten.var_mean, aten.topk, aten.cat, aten.sort, aten.native_layer_norm,
     # prefix scans: each position combines only the positions before it, and the padding comes after
     aten.cumsum, aten.cumprod, aten.logcumsumexp, aten.cummax, aten.cummin,
     # XLA's dynamic padder reverses the actual elements only
@@ -61,16 +61,6 @@ _EXACT: set[Any] = {
 
 def _dynamic_dims(value: Any, runtime: frozenset[sympy.Symbol]) -> set[int]:
     return {dim for dim, _ in dynamic_sizes.symbolic_dims(value, runtime)} if isinstance(value, torch.Tensor) else set()
-
-
-def _normalised_dims_static(node: torch.fx.Node, runtime: frozenset[sympy.Symbol]) -> str | None:
-    """layer norm and its backward: exact when the normalised (trailing) dimensions are not runtime-sized."""
-    x = node.args[1 if node.target is aten.native_layer_norm_backward.default else 0].meta["val"]
-    shape = node.args[2 if node.target is aten.native_layer_norm_backward.default else 1]
-    normalised = set(range(x.dim() - len(shape), x.dim()))
-    if normalised & _dynamic_dims(x, runtime):
-        return "it normalises over a padded dimension"
-    return None
 
 
 def _constant_start(first: int) -> Callable[[torch.fx.Node, frozenset[sympy.Symbol]], str | None]:
@@ -260,6 +250,14 @@ def _runtime_symbols(value: Any, runtime: frozenset[sympy.Symbol]) -> set[sympy.
     return {symbol for _, expr in dynamic_sizes.symbolic_dims(value, runtime) for symbol in expr.free_symbols & runtime}
 
 
+def _along_one_dim(node: torch.fx.Node, runtime: frozenset[sympy.Symbol]) -> str | None:
+    """median, nanmedian and kthvalue along a dim: exact (their lowerings sort the padding last and count the
+    actual row); of all elements, a padded operand would be flattened with its padding inside."""
+    if node.target in (aten.median.default, aten.nanmedian.default):
+        return "it flattens a padded tensor"
+    return None
+
+
 def _transformed_dims_static(node: torch.fx.Node, runtime: frozenset[sympy.Symbol]) -> str | None:
     """FFTs: exact when no transformed dimension is runtime-sized (each other index is its own transform)."""
     x = node.args[0].meta["val"]
@@ -273,13 +271,13 @@ _CONDITIONAL: dict[Any, Callable[[torch.fx.Node, frozenset[sympy.Symbol]], str |
     aten.index: _integer_indices, aten.index_put: _writes_only_actual_elements,
     aten.view: _reshape_keeps_padding, aten._unsafe_view: _reshape_keeps_padding,
     aten.reshape: _reshape_keeps_padding,
-    aten.native_layer_norm: _normalised_dims_static, aten.native_layer_norm_backward: _normalised_dims_static,
     aten.slice: _constant_start(1), aten.select: _constant_start(1), aten.narrow: _constant_start(1),
     aten.slice_scatter: _constant_start(2), aten.select_scatter: _constant_start(2),
     aten.constant_pad_nd: _constant_pads,
     aten.split: _constant_splits, aten.split_with_sizes: _constant_splits, aten.unbind: _constant_splits,
     aten._fft_c2c: _transformed_dims_static, aten._fft_r2c: _transformed_dims_static,
     aten._fft_c2r: _transformed_dims_static,
+    aten.median: _along_one_dim, aten.nanmedian: _along_one_dim, aten.kthvalue: _along_one_dim,
 }
 
 
@@ -312,8 +310,10 @@ def _runtime_numbers(node: torch.fx.Node, runtime: frozenset[sympy.Symbol]) -> l
 
 
 _SIZE_TAKERS = {aten.view, aten._unsafe_view, aten.reshape, aten.expand, aten.zeros, aten.ones, aten.empty,
-                aten.empty_strided, aten.new_empty, aten.new_zeros, aten.new_ones, aten.split_with_sizes}
-"""Ops that take runtime sizes only as sizes (a bucket's bound gives the padded shape)."""
+                aten.empty_strided, aten.new_empty, aten.new_zeros, aten.new_ones, aten.split_with_sizes,
+                aten.native_layer_norm}
+"""Ops that take runtime sizes only as sizes (a bucket's bound gives the padded shape; layer norm's normalised
+shape is the trailing shape of its input)."""
 
 _DATA_POSITIONS: dict[Any, frozenset[int]] = {
     aten.full: frozenset({1}), aten.full_like: frozenset({1}), aten.scalar_tensor: frozenset({0}),

@@ -6,8 +6,6 @@ bf16/f16 before normalising, so results may differ from it by an ulp, ours being
 
 from __future__ import annotations
 
-import math
-
 import torch
 from jax.extend.mlir.dialects import stablehlo as hlo
 
@@ -65,12 +63,12 @@ def _native_layer_norm(ctx, x, normalized_shape, weight, bias, eps):
     shape = builder.shape_of(x)
     axis = len(shape) - len(normalized_shape)
     dims = list(range(axis, len(shape)))
-    count = math.prod(shape[d] for d in dims)
+    count = _normalised_count(ctx, shape, dims, compute)
     stat_shape = shape[:axis] + (1,) * len(dims)
 
     def mean_of(value):
         total = builder.reduce_sum(value, dims)
-        mean = hlo.divide(total, builder.constant(count, compute, builder.shape_of(total)))
+        mean = hlo.divide(total, builder.broadcast_to(count, builder.shape_of(total)))
         return builder.reshape(mean, stat_shape)
 
     mean = mean_of(x)
@@ -88,6 +86,21 @@ def _native_layer_norm(ctx, x, normalized_shape, weight, bias, eps):
         builder.convert(mean, stats_dtype),
         builder.convert(rstd, stats_dtype),
     )
+
+
+def _normalised_count(ctx, shape, dims, dtype):
+    """How many elements each normalised group holds, as a scalar of ``dtype``: in a bucketed program that
+    pads a normalised dimension, its actual extent counts (XLA's dynamic padder leaves the padding out of the
+    sums), not the bucket's."""
+    static, actual = 1, None
+    for d in dims:
+        extent = ctx.extent(ctx.operand_metas[0], d)
+        if extent is None:
+            static *= shape[d]
+        else:
+            actual = extent if actual is None else hlo.multiply(actual, extent)
+    count = builder.constant(static, dtype, ())
+    return count if actual is None else hlo.multiply(builder.convert(actual, dtype), count)
 
 
 @register_rule(aten._softmax_backward_data.default)
