@@ -10,6 +10,7 @@ each result back to its actual sizes. A size above the largest listed bucket get
 from __future__ import annotations
 
 import collections
+import functools
 import itertools
 import logging
 import re
@@ -165,7 +166,7 @@ class BucketedGraph:
         padded = list(full)
         for position, _ in self._padded:
             padded[position] = _pad(full[position], shapes[position])
-        sizes = [torch.tensor(values[s], dtype=SIZE_DTYPE) for s in self.symbols]
+        sizes = [size_tensor(values[s]) for s in self.symbols]
         results = runner([*padded, *sizes])
         outputs = [self._output(result, rule, full, values)
                    for result, rule in zip(results, self._outputs, strict=True)]
@@ -235,10 +236,17 @@ def _graph_outputs(gm: torch.fx.GraphModule) -> list[Any]:
     return list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
 
 
+@functools.lru_cache(maxsize=4096)
+def size_tensor(value: int) -> torch.Tensor:
+    """The size argument ``value`` as a tensor, one per value: a call with the sizes of the previous one passes
+    the same tensors, whose device buffers the executable reuses instead of importing new ones."""
+    return torch.tensor(value, dtype=SIZE_DTYPE)
+
+
 def _pad(tensor: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    """``tensor`` with zeros appended at the end of each dimension up to ``shape``."""
+    """``tensor`` with zeros appended at the end of each dimension up to ``shape`` (one ``constant_pad_nd``)."""
     if tuple(tensor.shape) == shape:
         return tensor
-    padded = tensor.new_zeros(shape)
-    padded[tuple(slice(0, n) for n in tensor.shape)] = tensor
-    return padded
+    widths = [width for have, want in zip(reversed(tensor.shape), reversed(shape), strict=True)
+              for width in (0, want - have)]
+    return torch.nn.functional.pad(tensor, widths)
