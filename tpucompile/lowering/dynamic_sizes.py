@@ -26,7 +26,7 @@ from tpucompile.lowering.builder import constant, dtype_of, shape_of
 from tpucompile.lowering.types import TensorSpec, tensor_type
 
 __all__ = ["SIZE_DTYPE", "SizeValues", "UnboundedSize", "check_bounded", "computable", "evaluate", "fixed_shape",
-           "mark_dynamic", "split_dimension", "static_result", "symbolic_dims", "within_actual", "zero_padding"]
+           "mark_dynamic", "split_dimension", "static_result", "symbolic_dims", "within_actual"]
 
 class SizeValues:
     """The program's values of size expressions, from its ``i32`` size arguments (each expression emitted once
@@ -144,15 +144,6 @@ def within_actual(shape: tuple[int, ...], dim: int, extent: ir.Value) -> ir.Valu
     positions = hlo.iota(tensor_type(tuple(shape), SIZE_DTYPE), dim)
     limit = hlo.broadcast_in_dim(tensor_type(tuple(shape), SIZE_DTYPE), extent, ir.DenseI64ArrayAttr.get([]))
     return hlo.compare(positions, limit, hlo.ComparisonDirectionAttr.get("LT"))
-
-
-def zero_padding(value: ir.Value, spec: TensorSpec, dims: list[tuple[int, sympy.Expr]], sizes: SizeValues) -> ir.Value:
-    """``value`` with zeros past the actual extent of each of ``dims``: for an operand whose padding an op
-    would otherwise add in (the updates of an accumulating ``index_put``)."""
-    for dim, expr in dims:
-        inside = within_actual(spec.shape, dim, sizes.of(expr))
-        value = hlo.select(inside, value, constant(0, spec.dtype, spec.shape))
-    return value
 
 
 def split_dimension(

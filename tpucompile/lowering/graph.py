@@ -349,11 +349,6 @@ class _GraphLowering:
                     return self._split_reshape(node, *detail)
         args = [self._materialize(a) for a in node.args]
         kwargs = {k: self._materialize(v) for k, v in node.kwargs.items()}
-        if self.sizes is not None and node.target in padding_safety.ZERO_PADDED_OPERAND:
-            position = padding_safety.ZERO_PADDED_OPERAND[node.target]
-            operand = node.args[position].meta["val"]
-            dims = dynamic_sizes.symbolic_dims(operand, self.runtime)
-            args[position] = dynamic_sizes.zero_padding(args[position], self.bindings.spec(operand), dims, self.sizes)
         ctx = LoweringContext(
             node=node,
             avals_out=self._output_specs(val),

@@ -218,36 +218,12 @@ def _integer_indices(node: torch.fx.Node, runtime: frozenset[sympy.Symbol]) -> s
     return None
 
 
-ZERO_PADDED_OPERAND: dict[Any, int] = {aten.index_put.default: 2}
-"""Ops whose operand at the given position the lowering zeroes past its actual sizes (an accumulating
-``index_put`` adds every update, padding included, at its index: zeros add nothing)."""
-
-
 def _writes_only_actual_elements(node: torch.fx.Node, runtime: frozenset[sympy.Symbol]) -> str | None:
-    """index_put with integer indices: exact when every write that the padding makes is harmless. Indices of
-    actual updates are in range of the unpadded tensor (negative ones wrapped by its actual extent). An
-    accumulating put adds the padding of its updates as zeros (the lowering zeroes it); so it needs each index
-    tensor's runtime sizes to be the updates' (else a padded index would add an actual update somewhere). A
-    replacing put has no such zero: neither its updates nor its indices may be runtime-sized."""
-    if _integer_indices(node, runtime):
-        return _integer_indices(node, runtime)
-    accumulate = node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate", False)
-    indices = [i.meta["val"] for i in node.args[1] if i is not None]
-    values = node.args[2].meta["val"] if isinstance(node.args[2], torch.fx.Node) else None
-    value_symbols = _runtime_symbols(values, runtime)
-    if not accumulate:
-        if value_symbols or any(_runtime_symbols(index, runtime) for index in indices):
-            return "it writes padded updates in place of values"
-        return None
-    if any(not _runtime_symbols(index, runtime) <= value_symbols for index in indices):
-        return "it adds updates at padded indices"
-    return None
-
-
-def _runtime_symbols(value: Any, runtime: frozenset[sympy.Symbol]) -> set[sympy.Symbol]:
-    if not isinstance(value, torch.Tensor):
-        return set()
-    return {symbol for _, expr in dynamic_sizes.symbolic_dims(value, runtime) for symbol in expr.free_symbols & runtime}
+    """index_put with integer indices: exact. Indices of actual updates are in range of the unpadded tensor
+    (negative ones wrapped by its actual extent); the lowering sends the indices in an index tensor's padding
+    out of range, so the updates they would place are dropped; an update's padding along a dim it is not
+    indexed by lands in the target's padding of that dim."""
+    return _integer_indices(node, runtime)
 
 
 def _along_one_dim(node: torch.fx.Node, runtime: frozenset[sympy.Symbol]) -> str | None:

@@ -78,10 +78,14 @@ class _Advanced:
     """Result dims that are the operand's untouched dims (gather ``offset_dims``, scatter ``update_window_dims``)."""
 
 
-def _advanced(x: Value, indices: Sequence[Value | None], extents: Sequence[Value | None] = ()) -> _Advanced | None:
+def _advanced(x: Value, indices: Sequence[Value | None], extents: Sequence[Value | None] = (),
+              dropped: Sequence[Sequence[Value | None] | None] = ()) -> _Advanced | None:
     """``extents``: per operand dim, its actual size where a bucket pads it (negative indices count from the
-    actual end, as they do in the unpadded tensor), else None."""
+    actual end, as they do in the unpadded tensor), else None. ``dropped``: per index tensor, the actual size
+    of each of its own dims that a bucket pads; the indices in that padding are sent out of range, where a
+    scatter drops its update (the padding holds any index, which would write over an actual element)."""
     shape = builder.shape_of(x)
+    dropped = list(dropped) + [None] * (len(shape) - len(dropped))
     entries = list(indices) + [None] * (len(shape) - len(indices))
     positions = [d for d, index in enumerate(entries) if index is not None]
     if not positions:
@@ -103,6 +107,11 @@ def _advanced(x: Value, indices: Sequence[Value | None], extents: Sequence[Value
             column = builder.wrap_negative(column, shape[d])
         else:
             column = builder.wrap_negative_by(column, builder.convert(extent, index_dtype))
+        for k, actual in enumerate(dropped[d] or ()):
+            if actual is not None:
+                inside = dynamic_sizes.within_actual(builder.shape_of(column), k, actual)
+                out_of_range = builder.constant(shape[d], index_dtype, builder.shape_of(column))
+                column = builder.select(inside, column, out_of_range)
         columns.append(builder.reshape(builder.broadcast_to(column, batch_shape), (*batch_shape, 1)))
     starts = builder.concatenate(columns, len(batch_shape))
     adjacent = positions == list(range(positions[0], positions[-1] + 1))
@@ -133,10 +142,10 @@ def _take(x: Value, indices: Sequence[Value | None], extents: Sequence[Value | N
 
 
 def _put(x: Value, indices: Sequence[Value | None], values: Value, combiner: Combiner,
-         extents: Sequence[Value | None] = ()) -> Value:
+         extents: Sequence[Value | None] = (), dropped: Sequence[Sequence[Value | None] | None] = ()) -> Value:
     """``x[indices] = values`` (or ``combiner(x[indices], values)``) without mutating ``x``."""
     values = builder.convert(values, builder.dtype_of(x))
-    advanced = _advanced(x, indices, extents)
+    advanced = _advanced(x, indices, extents, dropped)
     if advanced is None:
         return combiner(x, builder.broadcast_to(values, builder.shape_of(x)))
     positions = advanced.positions
@@ -217,7 +226,8 @@ def _index_put(ctx, x, indices, values, accumulate=False):
     if masked is not None:
         return _masked_put(x, masked[0], masked[1], values, combiner)
     meta = ctx.operand_metas[0]
-    return _put(x, indices, values, combiner, [ctx.extent(meta, d) for d in range(meta.dim())])
+    dropped = [None if m is None else [ctx.extent(m, k) for k in range(m.dim())] for m in ctx.operand_metas[1]]
+    return _put(x, indices, values, combiner, [ctx.extent(meta, d) for d in range(meta.dim())], dropped)
 
 
 def _single_mask(indices: Sequence[Value | None]) -> tuple[int, Value] | None:
