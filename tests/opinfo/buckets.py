@@ -91,7 +91,7 @@ def run_sample(opinfo: Any, dtype: torch.dtype, sample: Any, dim: int) -> tuple[
             except Exception as error:
                 if "ConstraintViolation" in type(error).__name__:  # Dynamo specialised the marked size
                     return "dynamo", str(error).splitlines()[0][:300]
-                return sweep._classify_error(error)
+                return sweep.classify_error(error)
         per_size = per_size or next((str(w.message) for w in caught if "once per size" in str(w.message)), "")
         if opinfo.name in sweep.UNDEFINED_VALUES:
             reason = sweep._same_layout(got, want)
