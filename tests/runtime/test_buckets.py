@@ -330,7 +330,8 @@ _SWEPT = ["add", "mul", "div", "where", "exp", "tanh", "sigmoid", "nn.functional
           "reshape", "view", "expand", "narrow", "select", "index_select", "triu", "masked_fill", "clamp",
           "nn.functional.cross_entropy", "nn.functional.relu", "pow", "rsqrt", "chunk", "expand_as", "flatten",
           "movedim", "diagonal", "std", "var_mean", "logcumsumexp", "topk", "argsort", "nn.functional.pad",
-          "gather", "scatter_add", "split", "slice_scatter", "roll", "kthvalue", "linalg.vector_norm", "cummax"]
+          "gather", "scatter_add", "split", "slice_scatter", "roll", "kthvalue", "linalg.vector_norm", "cummax",
+          "index_put", "median", "nanmedian", "fft.fft", "fft.rfft2", "fft.irfft"]
 """OpInfos covering the lowering families a model's dynamic dimension meets (the whole database:
 ``python -m tests.opinfo.buckets``)."""
 

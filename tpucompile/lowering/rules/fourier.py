@@ -17,7 +17,7 @@ import torch
 from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import stablehlo as hlo
 
-from tpucompile.lowering import builder
+from tpucompile.lowering import builder, dynamic_sizes
 from tpucompile.lowering.registry import register_rule
 from tpucompile.lowering.types import tensor_type
 
@@ -94,11 +94,20 @@ def _dims(dims: Sequence[int], rank: int) -> list[int]:
     return [d % rank for d in dims]
 
 
+def _fixed(ctx, x: ir.Value) -> ir.Value:
+    """``x`` in a shape XLA takes as fixed: XLA cannot carry a runtime size through ``fft`` (padding admits only
+    transforms over dims that are not padded, so each padded position is a transform of its own)."""
+    meta = ctx.operand_metas[0]
+    padded = [d for d in range(builder.rank_of(x)) if ctx.extent(meta, d) is not None]
+    return dynamic_sizes.fixed_shape(x, padded) if padded else x
+
+
 @register_rule(aten._fft_c2c.default)
 def _fft_c2c(ctx, x, dim, normalization, forward):
     dims = _dims(dim, builder.rank_of(x))
     if not dims:
         return x
+    x = _fixed(ctx, x)
     moved, back = _to_end(x, dims)
     signal = math.prod(builder.shape_of(moved)[-len(dims):])
     out = _complex_passes(moved, len(dims), "FFT" if forward else "IFFT")
@@ -109,7 +118,7 @@ def _fft_c2c(ctx, x, dim, normalization, forward):
 def _fft_r2c(ctx, x, dim, normalization, onesided):
     out_dtype = ctx.aval_out.dtype
     dims = _dims(dim, builder.rank_of(x))
-    moved, back = _to_end(x, dims)
+    moved, back = _to_end(_fixed(ctx, x), dims)
     signal = math.prod(builder.shape_of(moved)[-len(dims):])
     if not onesided:
         out = _complex_passes(builder.convert(moved, out_dtype), len(dims), "FFT")
@@ -134,7 +143,7 @@ def _leading_complex_passes(value: ir.Value, count: int, done: int, kind: str) -
 @register_rule(aten._fft_c2r.default)
 def _fft_c2r(ctx, x, dim, normalization, last_dim_size):
     dims = _dims(dim, builder.rank_of(x))
-    moved, back = _to_end(x, dims)
+    moved, back = _to_end(_fixed(ctx, x), dims)
     half = last_dim_size // 2 + 1
     moved = _resized_last(moved, half)
     real_count = min(len(dims), _MOST_DIMS_PER_FFT)

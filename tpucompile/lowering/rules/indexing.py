@@ -226,8 +226,16 @@ def _index_put(ctx, x, indices, values, accumulate=False):
     if masked is not None:
         return _masked_put(x, masked[0], masked[1], values, combiner)
     meta = ctx.operand_metas[0]
+    extents = [ctx.extent(meta, d) for d in range(meta.dim())]
     dropped = [None if m is None else [ctx.extent(m, k) for k in range(m.dim())] for m in ctx.operand_metas[1]]
-    return _put(x, indices, values, combiner, [ctx.extent(meta, d) for d in range(meta.dim())], dropped)
+    # XLA's scatter takes a runtime-sized update window only where the operand's is the same: both are made
+    # fixed-shape (the padding of an update lands in the operand's padding, or its index is dropped)
+    x = dynamic_sizes.fixed_shape(x, [d for d, extent in enumerate(extents) if extent is not None])
+    values_meta = ctx.operand_metas[2]
+    if isinstance(values, ir.Value) and isinstance(values_meta, torch.Tensor):
+        values = dynamic_sizes.fixed_shape(values, [d for d in range(values_meta.dim())
+                                                    if ctx.extent(values_meta, d) is not None])
+    return _put(x, indices, values, combiner, extents, dropped)
 
 
 def _single_mask(indices: Sequence[Value | None]) -> tuple[int, Value] | None:
