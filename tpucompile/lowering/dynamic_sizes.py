@@ -14,7 +14,8 @@ others (``Mod``, a negative coefficient) make the graph compile per size instead
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import sympy
 import torch
@@ -25,7 +26,8 @@ from tpucompile.contracts.size_expressions import SIZE_DTYPE, UnboundedSize, che
 from tpucompile.lowering.builder import constant, dtype_of, shape_of
 from tpucompile.lowering.types import TensorSpec, tensor_type
 
-__all__ = ["SIZE_DTYPE", "SizeValues", "UnboundedSize", "check_bounded", "computable", "evaluate", "fixed_shape",
+__all__ = ["SIZE_DTYPE", "SizeValues", "UnboundedSize", "check_bounded", "computable", "element_count", "evaluate",
+           "fixed_shape",
            "mark_dynamic", "split_dimension", "static_result", "symbolic_dims", "within_actual"]
 
 class SizeValues:
@@ -136,6 +138,25 @@ def fixed_shape(value: ir.Value, dims: list[int]) -> ir.Value:
         sizes = [1 if d == dim else shape[d] for d in range(rank)]
         value = hlo.gather(value, positions, numbers, ir.DenseI64ArrayAttr.get(sizes), indices_are_sorted=True)
     return value
+
+
+def element_count(extent: Callable[[Any, int], ir.Value | None], meta: Any, shape: Sequence[int],
+                  dims: Sequence[int]) -> int | ir.Value:
+    """How many elements of an operand (``meta``, of static ``shape``) a reduction over ``dims`` takes in: a
+    number, or where a bucket pads some of ``dims``, the product with their actual extents (``extent``, the
+    lowering context's; an ``i32`` scalar), since the padding is not counted."""
+    static, actual = 1, None
+    for d in dims:
+        size = extent(meta, d)
+        if size is None:
+            static *= shape[d]
+        else:
+            actual = size if actual is None else hlo.multiply(actual, size)
+    if actual is None:
+        return static
+    if static != 1:
+        actual = hlo.multiply(actual, constant(static, SIZE_DTYPE, ()))
+    return actual
 
 
 def within_actual(shape: tuple[int, ...], dim: int, extent: ir.Value) -> ir.Value:

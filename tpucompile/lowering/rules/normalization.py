@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from jax.extend.mlir.dialects import stablehlo as hlo
 
-from tpucompile.lowering import builder
+from tpucompile.lowering import builder, dynamic_sizes
 from tpucompile.lowering.registry import register_rule
 
 aten = torch.ops.aten
@@ -92,15 +92,8 @@ def _normalised_count(ctx, shape, dims, dtype):
     """How many elements each normalised group holds, as a scalar of ``dtype``: in a bucketed program that
     pads a normalised dimension, its actual extent counts (XLA's dynamic padder leaves the padding out of the
     sums), not the bucket's."""
-    static, actual = 1, None
-    for d in dims:
-        extent = ctx.extent(ctx.operand_metas[0], d)
-        if extent is None:
-            static *= shape[d]
-        else:
-            actual = extent if actual is None else hlo.multiply(actual, extent)
-    count = builder.constant(static, dtype, ())
-    return count if actual is None else hlo.multiply(builder.convert(actual, dtype), count)
+    count = dynamic_sizes.element_count(ctx.extent, ctx.operand_metas[0], shape, dims)
+    return builder.constant(count, dtype, ()) if isinstance(count, int) else builder.convert(count, dtype)
 
 
 @register_rule(aten._softmax_backward_data.default)

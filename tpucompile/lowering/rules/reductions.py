@@ -11,7 +11,7 @@ import torch
 from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import stablehlo as hlo
 
-from tpucompile.lowering import builder
+from tpucompile.lowering import builder, dynamic_sizes
 from tpucompile.lowering.registry import register_rule
 
 aten = torch.ops.aten
@@ -39,22 +39,8 @@ def _sum(ctx, x, dim=None, keepdim=False, *, dtype=None):
 
 
 def _count(ctx, x, dims: list[int]) -> int | ir.Value:
-    """How many elements a reduction over ``dims`` of operand ``x`` takes in: a number, or in a bucketed
-    program that reduces a padded dimension, the product of the actual extents (an ``i32`` scalar), since the
-    padding is not counted."""
-    shape = builder.shape_of(x)
-    static, actual = 1, None
-    for d in dims:
-        extent = ctx.extent(ctx.operand_metas[0], d)
-        if extent is None:
-            static *= shape[d]
-        else:
-            actual = extent if actual is None else hlo.multiply(actual, extent)
-    if actual is None:
-        return static
-    if static != 1:
-        actual = hlo.multiply(actual, builder.constant(static, builder.dtype_of(actual), ()))
-    return actual
+    """How many elements a reduction over ``dims`` of operand ``x`` takes in (the padding not counted)."""
+    return dynamic_sizes.element_count(ctx.extent, ctx.operand_metas[0], builder.shape_of(x), dims)
 
 
 def _divided(total: ir.Value, count: int | ir.Value, correction: float = 0) -> ir.Value:
