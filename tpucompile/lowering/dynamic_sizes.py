@@ -27,8 +27,8 @@ from tpucompile.lowering.builder import constant, dtype_of, shape_of
 from tpucompile.lowering.types import TensorSpec, tensor_type
 
 __all__ = ["SIZE_DTYPE", "SizeValues", "UnboundedSize", "check_bounded", "computable", "element_count", "evaluate",
-           "fixed_shape",
-           "mark_dynamic", "split_dimension", "static_result", "symbolic_dims", "within_actual"]
+           "fixed_shape", "fixed_where_padded", "mark_dynamic", "split_dimension", "static_result", "symbolic_dims",
+           "within_actual"]
 
 class SizeValues:
     """The program's values of size expressions, from its ``i32`` size arguments (each expression emitted once
@@ -138,6 +138,14 @@ def fixed_shape(value: ir.Value, dims: list[int]) -> ir.Value:
         sizes = [1 if d == dim else shape[d] for d in range(rank)]
         value = hlo.gather(value, positions, numbers, ir.DenseI64ArrayAttr.get(sizes), indices_are_sorted=True)
     return value
+
+
+def fixed_where_padded(value: ir.Value, meta: Any, extent: Callable[[Any, int], ir.Value | None]) -> ir.Value:
+    """``value`` (the lowered ``meta``) fixed in shape along each dimension a bucket pads (``extent``, the
+    lowering context's, says which): for ops XLA's dynamic padder cannot carry a runtime size through."""
+    if not isinstance(meta, torch.Tensor):
+        return value
+    return fixed_shape(value, [d for d in range(meta.dim()) if extent(meta, d) is not None])
 
 
 def element_count(extent: Callable[[Any, int], ir.Value | None], meta: Any, shape: Sequence[int],

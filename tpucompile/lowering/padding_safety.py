@@ -208,22 +208,17 @@ def _reshape_keeps_padding(node: torch.fx.Node, runtime: frozenset[sympy.Symbol]
 
 
 def _integer_indices(node: torch.fx.Node, runtime: frozenset[sympy.Symbol]) -> str | None:
-    """index with index tensors: exact with integer indices. Each index of an actual position is in range of
-    the unpadded tensor (torch checks it) and so picks an actual element; a negative one counts from the actual
-    end (the lowering wraps it by the actual extent); what the padding picks is cut away. A boolean mask picks
-    by its padding too, so it is exact only when nothing it reads is padded."""
+    """index and index_put with index tensors: exact with integer indices. Each index of an actual position is
+    in range of the unpadded tensor (torch checks it) and so addresses an actual element; a negative one counts
+    from the actual end (the lowering wraps it by the actual extent). What ``index`` picks for the padding is
+    cut away; ``index_put``'s lowering sends the indices in an index tensor's padding out of range, so the
+    updates they would place are dropped, and an update's padding along a dim it is not indexed by lands in
+    the target's padding of that dim. A boolean mask picks by its padding too, so it is exact only when
+    nothing it reads is padded."""
     masks = [i for i in node.args[1] if i is not None and i.meta["val"].dtype in (torch.bool, torch.uint8)]
     if masks and any(_dynamic_dims(value.meta["val"], runtime) for value in [node.args[0], *masks]):
         return "it selects by a boolean mask over a padded dimension"
     return None
-
-
-def _writes_only_actual_elements(node: torch.fx.Node, runtime: frozenset[sympy.Symbol]) -> str | None:
-    """index_put with integer indices: exact. Indices of actual updates are in range of the unpadded tensor
-    (negative ones wrapped by its actual extent); the lowering sends the indices in an index tensor's padding
-    out of range, so the updates they would place are dropped; an update's padding along a dim it is not
-    indexed by lands in the target's padding of that dim."""
-    return _integer_indices(node, runtime)
 
 
 def _along_one_dim(node: torch.fx.Node, runtime: frozenset[sympy.Symbol]) -> str | None:
@@ -244,7 +239,7 @@ def _transformed_dims_static(node: torch.fx.Node, runtime: frozenset[sympy.Symbo
 
 
 _CONDITIONAL: dict[Any, Callable[[torch.fx.Node, frozenset[sympy.Symbol]], str | None]] = {
-    aten.index: _integer_indices, aten.index_put: _writes_only_actual_elements,
+    aten.index: _integer_indices, aten.index_put: _integer_indices,
     aten.view: _reshape_keeps_padding, aten._unsafe_view: _reshape_keeps_padding,
     aten.reshape: _reshape_keeps_padding,
     aten.slice: _constant_start(1), aten.select: _constant_start(1), aten.narrow: _constant_start(1),

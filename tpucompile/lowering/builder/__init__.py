@@ -23,7 +23,6 @@ from tpucompile.lowering.builder.gather_scatter import (
     scatter_rows,
     take_along,
     wrap_negative,
-    wrap_negative_by,
 )
 from tpucompile.lowering.builder.linear import contract_trailing, dot_general, eye
 from tpucompile.lowering.builder.reductions import (
@@ -98,5 +97,4 @@ __all__ = [
     "transpose",
     "trunc",
     "wrap_negative",
-    "wrap_negative_by",
 ]

@@ -55,19 +55,14 @@ def scatter_rows(
     return scatter(target, rows, updates, numbers, combiner)
 
 
-def wrap_negative(index: ir.Value, size: int) -> ir.Value:
-    """``index + size`` where ``index < 0``: PyTorch's negative indexing, which XLA does not have."""
+def wrap_negative(index: ir.Value, size: int | ir.Value) -> ir.Value:
+    """``index + size`` where ``index < 0``: PyTorch's negative indexing, which XLA does not have. ``size`` is a
+    number, or a scalar of ``index``'s dtype known when the program runs (a dimension padded to a bucket, whose
+    negative indices count from its actual end)."""
     dtype, shape = dtype_of(index), shape_of(index)
     negative = compare(index, constant(0, dtype, shape), "LT")
-    return select(negative, hlo.add(index, constant(size, dtype, shape)), index)
-
-
-def wrap_negative_by(index: ir.Value, size: ir.Value) -> ir.Value:
-    """``index + size`` where ``index < 0``, for a size known when the program runs (a scalar of ``index``'s
-    dtype): negative indices into a dimension padded to a bucket count from its actual end."""
-    dtype, shape = dtype_of(index), shape_of(index)
-    negative = compare(index, constant(0, dtype, shape), "LT")
-    return select(negative, hlo.add(index, broadcast_to(size, shape)), index)
+    size = constant(size, dtype, shape) if isinstance(size, int) else broadcast_to(size, shape)
+    return select(negative, hlo.add(index, size), index)
 
 
 def index_coordinates(index: ir.Value, dim: int, size: int) -> ir.Value:

@@ -85,6 +85,7 @@ def _advanced(x: Value, indices: Sequence[Value | None], extents: Sequence[Value
     of each of its own dims that a bucket pads; the indices in that padding are sent out of range, where a
     scatter drops its update (the padding holds any index, which would write over an actual element)."""
     shape = builder.shape_of(x)
+    extents = list(extents) + [None] * (len(shape) - len(extents))
     dropped = list(dropped) + [None] * (len(shape) - len(dropped))
     entries = list(indices) + [None] * (len(shape) - len(indices))
     positions = [d for d, index in enumerate(entries) if index is not None]
@@ -102,11 +103,8 @@ def _advanced(x: Value, indices: Sequence[Value | None], extents: Sequence[Value
     columns = []
     for d, tensor in zip(positions, tensors, strict=True):
         column = builder.convert(tensor, index_dtype)
-        extent = extents[d] if d < len(extents) else None
-        if extent is None:
-            column = builder.wrap_negative(column, shape[d])
-        else:
-            column = builder.wrap_negative_by(column, builder.convert(extent, index_dtype))
+        extent = extents[d]
+        column = builder.wrap_negative(column, shape[d] if extent is None else builder.convert(extent, index_dtype))
         for k, actual in enumerate(dropped[d] or ()):
             if actual is not None:
                 inside = dynamic_sizes.within_actual(builder.shape_of(column), k, actual)
@@ -230,11 +228,9 @@ def _index_put(ctx, x, indices, values, accumulate=False):
     dropped = [None if m is None else [ctx.extent(m, k) for k in range(m.dim())] for m in ctx.operand_metas[1]]
     # XLA's scatter takes a runtime-sized update window only where the operand's is the same: both are made
     # fixed-shape (the padding of an update lands in the operand's padding, or its index is dropped)
-    x = dynamic_sizes.fixed_shape(x, [d for d, extent in enumerate(extents) if extent is not None])
-    values_meta = ctx.operand_metas[2]
-    if isinstance(values, ir.Value) and isinstance(values_meta, torch.Tensor):
-        values = dynamic_sizes.fixed_shape(values, [d for d in range(values_meta.dim())
-                                                    if ctx.extent(values_meta, d) is not None])
+    x = dynamic_sizes.fixed_where_padded(x, meta, ctx.extent)
+    if isinstance(values, ir.Value):
+        values = dynamic_sizes.fixed_where_padded(values, ctx.operand_metas[2], ctx.extent)
     return _put(x, indices, values, combiner, extents, dropped)
 
 
