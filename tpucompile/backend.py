@@ -24,6 +24,7 @@ from tpucompile import plan_replay
 from tpucompile.config import Options, narrow_products_for
 from tpucompile.debug import recorder as dump
 from tpucompile.driver import compile_graph, decompositions_for, record_graph, resolve_targets
+from tpucompile.driver.host_kernel_upgrades import compiling
 from tpucompile.errors import OptionsError
 from tpucompile.frontend import (
     USES_KEY,
@@ -82,7 +83,7 @@ def tpucompile_backend(
 
         return compile_role
 
-    with _aot_autograd_settings(config), traced_like_real_tensors(example_inputs):
+    with _aot_autograd_settings(config), traced_like_real_tensors(example_inputs), compiling():
         compiled = dtensor_outputs(config, aot_autograd(
             fw_compiler=compiler("forward"),
             bw_compiler=compiler("backward"),

@@ -147,6 +147,12 @@ class Options:
     """Which matrix products and f32 convolutions of CPU programs call the host BLAS kernels instead of XLA's
     own: "auto" (each op where it was measured faster on this machine), "on" (every op they take), "off"."""
 
+    host_kernel_timing: str = "background"
+    """Where "auto" checks a whole program with the ops that won alone (the ops themselves are timed before the
+    compile either way): "background" (the program first runs with XLA's ops; a worker thread compiles it with
+    the chosen ops, its next calls alternate between the two, and the faster stays) or "inline" (both
+    programs compiled and timed on example inputs before the first compile, which waits for them)."""
+
     cache_dir: str | None = None
     """Directory of the persistent compile cache; None means ``$XDG_CACHE_HOME/tpucompile`` or
     ``~/.cache/tpucompile``."""
@@ -255,12 +261,14 @@ CACHE_MODES = ("read-write", "read-only", "off", "strict")
 """The values of ``cache_mode`` (the persistent cache enforces them too)."""
 HOST_KERNEL_MODES = ("auto", "on", "off")
 """The values of ``host_kernels``."""
+HOST_KERNEL_TIMINGS = ("background", "inline")
+"""The values of ``host_kernel_timing``."""
 ATTENTION_MODES = ("auto", "kernel", "math", "interpret")
 """The values of ``attention``."""
 DYNAMIC_MODES = ("exact", "bucket")
 """The values of ``dynamic_mode``."""
 _CHOICES = {"dynamic_mode": DYNAMIC_MODES, "fallback": ("eager", "error"), "attention": ATTENTION_MODES,
-            "host_kernels": HOST_KERNEL_MODES,
+            "host_kernels": HOST_KERNEL_MODES, "host_kernel_timing": HOST_KERNEL_TIMINGS,
             "cache_mode": CACHE_MODES}
 
 _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,

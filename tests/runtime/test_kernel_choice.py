@@ -32,9 +32,10 @@ def _inputs():
 
 
 def _compile(mode: str):
-    """(result, events) of ``model`` compiled fresh with ``host_kernels=mode``."""
+    """(result, events) of ``model`` compiled fresh with ``host_kernels=mode``, timed before the compile."""
     with fresh_start() as events:
-        result = torch.compile(model, backend="tpucompile", options={"host_kernels": mode})(*_inputs())
+        result = torch.compile(model, backend="tpucompile",
+                               options={"host_kernels": mode, "host_kernel_timing": "inline"})(*_inputs())
     return result, events
 
 
@@ -206,7 +207,8 @@ def stall(*args):
 
 kernel_choice.time_both = stall
 x, w = torch.randn(8, 16), torch.randn(16, 4)
-torch.compile(lambda x, w: torch.tanh(x @ w), backend="tpucompile", options={"host_kernels": "auto"})(x, w)
+torch.compile(lambda x, w: torch.tanh(x @ w), backend="tpucompile",
+              options={"host_kernels": "auto", "host_kernel_timing": "inline"})(x, w)
 """
 
 

@@ -15,7 +15,13 @@ source (``package_digest``), so a change to any code that decides what is compil
 """
 
 from tpucompile.artifacts.environment import environment, package_digest
-from tpucompile.artifacts.executables import LoadedExecutable, executable_components, load_executable
+from tpucompile.artifacts.executables import (
+    LoadedExecutable,
+    executable_components,
+    host_ops_chosen,
+    load_executable,
+    remember_host_ops,
+)
 from tpucompile.artifacts.fingerprint import Uncacheable, encode_argument, encode_constant, encode_graph
 from tpucompile.artifacts.other_targets import TargetOutcome, compile_for_target
 from tpucompile.artifacts.plans import load_plan, store_plan
@@ -39,11 +45,13 @@ __all__ = [
     "environment",
     "executable_cache",
     "executable_components",
+    "host_ops_chosen",
     "load_executable",
     "load_plan",
     "lowered_program",
     "package_digest",
     "persistent_cache",
     "program_from_key",
+    "remember_host_ops",
     "store_plan",
 ]

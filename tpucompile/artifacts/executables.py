@@ -43,44 +43,70 @@ class LoadedExecutable:
     """Time spent looking it up and loading or compiling it."""
     saved_seconds: float
     """For a persistent hit: the recorded compile time minus the time spent loading."""
+    program_check: kernel_choice.ProgramCheck | None = None
+    """Set when this program has XLA's ops only until its host-kernel ops are timed in the whole program
+    (``host_kernel_timing="background"``): which ops, and the verdict's signature."""
 
 
 def executable_components(
-    program: LoweredProgram, program_sha256: str, target: Target, host_kernels: str
+    program: LoweredProgram, program_sha256: str, target: Target, host_kernels: str,
+    host_ops: tuple[str, ...] | None = None,
 ) -> dict[str, Any]:
+    """The executable's key components; ``host_ops``: the ops that call the host kernels, None to choose them
+    now (``host_ops_chosen``, timing what this machine has not timed)."""
+    if host_ops is None:
+        host_ops = host_ops_chosen(program, program_sha256, target, host_kernels)
     return executable_key_components(
         program_sha256,
         [spec_json(s) for s in program.input_specs],
         [spec_json(s) for s in program.result_specs],
         compile_options_fingerprint(compile_options(target)),
         environment(target),
-        _host_ops(program, program_sha256, target, host_kernels),
+        host_ops,
     )
 
 
-def _host_ops(program: LoweredProgram, program_sha256: str, target: Target, mode: str) -> tuple[str, ...]:
-    """The ops of ``program`` that call the host kernels on ``target`` (``kernel_choice``), once per process."""
+def host_ops_chosen(
+    program: LoweredProgram, program_sha256: str, target: Target, mode: str, defer_program_check: bool = False
+) -> tuple[str, ...] | kernel_choice.ProgramCheck:
+    """The ops of ``program`` that call the host kernels on ``target`` (``kernel_choice``), once per process; a
+    ``kernel_choice.ProgramCheck`` where ``defer_program_check`` leaves the program's own timing for later."""
     if target.host_blas is None or mode == "off" or program.runtime_sizes:  # a kernel is a custom call,
         return ()  # whose operands XLA's dynamic padder cannot see into
     memo = (program_sha256, id(target), mode)
     found = stores.host_op_choices.get(memo)
     if found is None:
-        found = stores.host_op_choices[memo] = kernel_choice.chosen_ops(program.bytecode(), target, mode)
+        found = kernel_choice.chosen_ops(program.bytecode(), target, mode, defer_program_check)
+        if isinstance(found, tuple):
+            stores.host_op_choices[memo] = found
     return found
+
+
+def remember_host_ops(program_sha256: str, target: Target, mode: str, host_ops: tuple[str, ...]) -> None:
+    """The choice for ``program`` once its deferred check is done: later compiles in this process take it."""
+    stores.host_op_choices[(program_sha256, id(target), mode)] = host_ops
 
 
 def load_executable(
     program: LoweredProgram, program_sha256: str, target: Target, options: Options, tiers: stores.ArtifactTiers,
-    name: str,
+    name: str, host_ops: tuple[str, ...] | None = None,
 ) -> LoadedExecutable:
     """The loaded executable of ``program``: from memory, the local directory or the remote, or compiled
-    now (by one process at a time per key) and published."""
-    components = executable_components(program, program_sha256, target, options.host_kernels)
+    now (by one process at a time per key) and published; with the ``host_ops`` given, or those chosen now.
+    With ``host_kernel_timing="background"``, a program whose chosen ops await the timing of the whole
+    program comes with XLA's ops and says so (``program_check``)."""
+    check = None
+    if host_ops is None:
+        defer = options.host_kernel_timing == "background" and not tiers.strict  # strict: nothing compiled later
+        host_ops = host_ops_chosen(program, program_sha256, target, options.host_kernels, defer)
+        if isinstance(host_ops, kernel_choice.ProgramCheck):
+            check, host_ops = host_ops, ()
+    components = executable_components(program, program_sha256, target, options.host_kernels, host_ops)
     key = cache_key(components)
     start = time.perf_counter()
     loaded = tiers.get(stores.executables, key)
     if loaded is not None:
-        return LoadedExecutable(loaded, key, components, "memory", time.perf_counter() - start, 0.0)
+        return LoadedExecutable(loaded, key, components, "memory", time.perf_counter() - start, 0.0, check)
     cache = tiers.persistent
     found = _load_persistent(cache, key, target) if cache is not None else None
     if found is None:
@@ -90,10 +116,12 @@ def load_executable(
         with claim:
             loaded = tiers.get(stores.executables, key)
             if loaded is not None:
-                return LoadedExecutable(loaded, key, components, "memory", time.perf_counter() - start, 0.0)
+                return LoadedExecutable(loaded, key, components, "memory", time.perf_counter() - start, 0.0,
+                                        check)
             found = _load_persistent(cache, key, target) if cache is not None else None
             if found is None:
-                return _compile(program, target, name, key, components, start, tiers)
+                return dataclasses.replace(_compile(program, target, name, key, components, start, tiers),
+                                           program_check=check)
     loaded, entry, tier = found
     tiers.put(stores.executables, key, loaded)
     seconds = time.perf_counter() - start
@@ -101,7 +129,7 @@ def load_executable(
     if cache is not None:
         cache.record_hit(key, saved)
     log.debug("%s: executable from the %s cache in %.1f ms (key %s)", name, tier, seconds * 1e3, key[:12])
-    return LoadedExecutable(loaded, key, components, tier, seconds, saved)
+    return LoadedExecutable(loaded, key, components, tier, seconds, saved, check)
 
 
 def _load_persistent(cache: PersistentCache, key: str, target: Target) -> tuple[Any, Entry, str] | None:

@@ -10,6 +10,7 @@ import torch.fx
 
 from tpucompile import artifacts
 from tpucompile.config import Options
+from tpucompile.driver import host_kernel_upgrades
 from tpucompile.driver.events import count_graph, notify, recording, remember_executable
 from tpucompile.driver.resolved_targets import CompileTargets
 from tpucompile.errors import CompileError, LoweringError, TpuCompileWarning, UnsupportedOpError
@@ -40,6 +41,7 @@ def build_executable(
     notify(name, gm, program, program_tier, loaded)
     _compile_for_targets(gm, bindings, program, program_sha256, targets, options, name)
     executable = _executable(program, loaded, target, constants, name)
+    _upgrade_later(executable, loaded, program, program_sha256, target, options, targets, name)
     if isinstance(executable, ShardedExecutable) and options.shard is not None:
         record_layouts(gm, program.output_plan, executable.result_dims, options.shard)
         for position, source in gm.meta.get("dtensor_outputs", {}).items():
@@ -58,7 +60,20 @@ def load_compiled_graph(program_key: str, options: Options, name: str, targets: 
     count_graph()
     loaded = artifacts.load_executable(program, program_sha256, targets.lowered_for, options, targets.tiers, name)
     notify(name, None, program, program_tier, loaded)
-    return _executable(program, loaded, targets.lowered_for, [], name)
+    executable = _executable(program, loaded, targets.lowered_for, [], name)
+    _upgrade_later(executable, loaded, program, program_sha256, targets.lowered_for, options, targets, name)
+    return executable
+
+
+def _upgrade_later(
+    executable: GraphExecutable | ShardedExecutable, loaded: artifacts.LoadedExecutable, program: LoweredProgram,
+    program_sha256: str, target: Target, options: Options, targets: CompileTargets, name: str,
+) -> None:
+    """Where ``loaded`` has XLA's ops only until its program is timed with host kernels, compile that program
+    in the background and time the two on the graph's calls."""
+    if loaded.program_check is not None and isinstance(executable, GraphExecutable):
+        host_kernel_upgrades.schedule(executable, loaded, program, program_sha256, target, options, targets.tiers,
+                                      name)
 
 
 def _output_devices(gm: torch.fx.GraphModule) -> list[torch.device | None]:

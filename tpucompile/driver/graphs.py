@@ -11,6 +11,7 @@ import torch.fx
 
 from tpucompile import diagnostics
 from tpucompile.config import Options
+from tpucompile.driver import host_kernel_upgrades
 from tpucompile.driver.eager_fallback import compile_partitioned
 from tpucompile.driver.events import count_graph, record_graph, recording
 from tpucompile.driver.resolved_targets import CompileTargets, resolve_targets
@@ -36,7 +37,8 @@ def compile_graph(
     """
     targets = targets or resolve_targets(options)
     with (jax_bridge.target_platform(targets.lowered_for.platform),  # which custom ops have a JAX lowering here
-          jax_bridge.kernels_interpreted(options.attention == "interpret")):
+          jax_bridge.kernels_interpreted(options.attention == "interpret"),
+          host_kernel_upgrades.compiling()):
         return _compile_graph(gm, targets, options, name)
 
 

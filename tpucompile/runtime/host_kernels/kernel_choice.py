@@ -5,7 +5,10 @@ and lose on others, and where the line falls depends on the machine: its cores, 
 and XLA keep busy. So, as Inductor's autotuner does, each distinct op is timed both ways on this machine the
 first time a program holding it is compiled, and goes to the host kernel only where that is measurably faster;
 then the program itself is timed with and without the chosen ops calling the kernels, and keeps them only
-where the whole program gains (an op alone does not show the fusions its program loses around a call).
+where the whole program gains (an op alone does not show the fusions its program loses around a call). That
+check costs two compiles of the whole program, so by default it is not made here but on the program's own
+calls, after its first compile (``ProgramCheck``, ``record_program_verdict``; the driver's
+``host_kernel_upgrades``).
 
 An op is identified by its *micro-program*: a one-op StableHLO function holding the op and the chain of
 transposes its operands are read through (what the kernel's rewrite looks at), printed without locations.
@@ -22,6 +25,7 @@ tests and benchmarks), "off" keeps XLA's ops everywhere.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import json
@@ -64,6 +68,9 @@ _LOCK_PATIENCE_SECONDS = 2.0
 """How long a process waits for another process's timing (the machine's lock) before it compiles on without
 the decision, keeping XLA's op: a timing takes a second or two, and a holder that stalls (a process stopped
 or swapped out mid-compile) must never stall, let alone fail, another process's compile."""
+_RECORD_PATIENCE_SECONDS = 0.1
+"""How long storing a verdict made on a program's own calls waits for the machine's lock: it is taken on a
+user's call, which must not wait on another process's timing (unsaved, the verdict holds for this process)."""
 _BUSY_SECONDS = 30.0
 """After one wait ran out, how long the process asks for the lock without waiting at all: a compile holds
 several ops, and each would otherwise wait out the patience again behind the same stalled holder."""
@@ -77,9 +84,22 @@ def host_replacements(kernels: library.HostBlas) -> dict[str, Callable[[Any], bo
     return replacements
 
 
-def chosen_ops(module: bytes | str, target: Any, mode: str) -> tuple[str, ...]:
+@dataclasses.dataclass(frozen=True)
+class ProgramCheck:
+    """Ops that won one by one, in a program whose own verdict is not stored yet: the program is to be timed
+    with and without them on its own calls (``record_program_verdict``)."""
+
+    ops: tuple[str, ...]
+    sign: str
+    what: str
+
+
+def chosen_ops(module: bytes | str, target: Any, mode: str, defer_program_check: bool = False
+               ) -> tuple[str, ...] | ProgramCheck:
     """The sorted signatures of ``module``'s ops that call the host kernels when compiled for ``target``: every
-    op they take ("on"), the ones measured faster there ("auto"), or none ("off", or no kernels)."""
+    op they take ("on"), the ones measured faster there ("auto"), or none ("off", or no kernels). With
+    ``defer_program_check``, a program whose verdict is not stored is not timed here: a ``ProgramCheck``
+    says which ops await it."""
     kernels = target.host_blas
     if mode == "off" or kernels is None or len(target.devices) != 1:
         return ()
@@ -100,9 +120,26 @@ def chosen_ops(module: bytes | str, target: Any, mode: str) -> tuple[str, ...]:
             if mode == "on" or _decisions().host_is_faster(sign, micro, lambda host=host: host, target, describe(op)):
                 chosen.add(sign)
         program = parsed.operation.get_asm(enable_debug_info=False)
-    if mode == "auto" and chosen and not _program_gains(program, sorted(chosen), target):
-        return ()
-    return tuple(sorted(chosen))
+    ops = tuple(sorted(chosen))
+    if mode != "auto" or not ops:
+        return ops
+    if defer_program_check:
+        check = ProgramCheck(ops, _program_sign(program, ops), f"a program with {len(ops)} host-kernel op(s)")
+        verdict = _decisions().stored(check.sign)
+        if verdict is None:
+            return check
+        return ops if verdict else ()
+    return ops if _program_gains(program, list(ops), target) else ()
+
+
+def record_program_verdict(check: ProgramCheck, xla_rounds: list[float], host_rounds: list[float]) -> bool:
+    """Store for this machine whether ``check``'s program keeps its host-kernel ops, by the timings of its
+    calls both ways (seconds per call, alternating), and return it (the same rule as an op's)."""
+    return _decisions().record(check.sign, check.what, xla_rounds, host_rounds)["host"]
+
+
+def _program_sign(program: str, chosen: Iterable[str]) -> str:
+    return signature(program + "\n" + ",".join(chosen))
 
 
 def _program_gains(program: str, chosen: list[str], target: Any) -> bool:
@@ -112,7 +149,7 @@ def _program_gains(program: str, chosen: list[str], target: Any) -> bool:
     An op timed alone does not show what its program loses around a custom call: XLA fuses a product's bias
     and activation into its own dot, not into a call, and each call has a fixed cost. So the chosen set is
     timed in its program once (per machine, like the ops), and dropped unless the program gains."""
-    sign = signature(program + "\n" + ",".join(chosen))
+    sign = _program_sign(program, chosen)
     what = f"a program with {len(chosen)} host-kernel op(s)"
     return _decisions().host_is_faster(sign, program, lambda: apply(program, target, chosen), target, what)
 
@@ -225,6 +262,28 @@ class _Decisions:
                 found = self._measure(sign, xla_program, host_program, target, what)
             return bool(found["host"])
 
+    def stored(self, sign: str) -> bool | None:
+        """The decision stored for ``sign`` (by any process of the machine), or None; never waits on a lock
+        (another thread may hold it through a long timing)."""
+        found = self.known.get(sign)
+        if found is None:
+            self.known.update(self._read())  # the file is replaced whole: safe to read without the lock
+            found = self.known.get(sign)
+        return None if found is None else bool(found["host"])
+
+    def record(self, sign: str, what: str, xla_rounds: list[float], host_rounds: list[float]) -> dict[str, Any]:
+        """Store the decision that timings made elsewhere say (a program timed on its own calls)."""
+        found = _decision(what, xla_rounds, host_rounds)
+        with self.lock:
+            self.known[sign] = found
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                with filelock.FileLock(str(self.path) + ".lock", timeout=_RECORD_PATIENCE_SECONDS):
+                    self._write(sign, found)
+            except (OSError, filelock.Timeout) as error:  # kept for this process; measured again in the next
+                log.debug("tpucompile: host kernel decision for %s not saved: %s", what, error)
+        return found
+
     def _measure(
         self, sign: str, xla_program: str, host_program: Callable[[], str], target: Any, what: str
     ) -> dict[str, Any]:
@@ -272,10 +331,7 @@ class _Decisions:
             log.warning("tpucompile: could not time the host kernel for %s, XLA's op is kept: %s", what, error)
             self.known[sign] = {"op": what, "host": False}  # for this process; timed again in the next
             return self.known[sign]
-        found = {"op": what, "host": host_wins(xla_rounds, host_rounds),
-                 **{f"{name}_{stat}_us": round(fn(rounds) * 1e6, 2)
-                    for name, rounds in (("xla", xla_rounds), ("host", host_rounds))
-                    for stat, fn in (("min", min), ("median", statistics.median))}}
+        found = _decision(what, xla_rounds, host_rounds)
         self.known[sign] = found
         self._write(sign, found)
         log.debug("tpucompile: host kernel %s for %s (median %.0f us against XLA's %.0f us)",
@@ -300,6 +356,14 @@ class _Decisions:
             os.replace(partial, self.path)
         except OSError as error:
             log.debug("tpucompile: host kernel decisions not saved: %s", error)
+
+
+def _decision(what: str, xla_rounds: list[float], host_rounds: list[float]) -> dict[str, Any]:
+    """A stored decision: the verdict (``host_wins``) and the timings behind it."""
+    return {"op": what, "host": host_wins(xla_rounds, host_rounds),
+            **{f"{name}_{stat}_us": round(fn(rounds) * 1e6, 2)
+               for name, rounds in (("xla", xla_rounds), ("host", host_rounds))
+               for stat, fn in (("min", min), ("median", statistics.median))}}
 
 
 @functools.cache
