@@ -12,10 +12,14 @@ Workloads (a 2-layer Llama, ``examples/llama.py``, dim 256, random weights, batc
 - ``generate-cache``: the same with Hugging Face's ``LlamaForCausalLM`` (same sizes) and its key/value cache:
   one token per call, the cache growing by one (steady: a decoding step at cache length 100, the cache cut
   back to 100 after each timed call);
+- ``serve-static``: a server's greedy decoding with that model and a static key/value cache
+  (``transformers.StaticCache`` of 192 positions): prompts of 8 lengths from 5 to 100, 16 new tokens each
+  (steady: a decoding step at cache position 100);
 - ``bert``: Hugging Face's ``BertForMaskedLM`` (dim 256, 2 layers, 8 heads, 704 hidden), forward at the 15
   lengths of ``sweep15``.
 Each backend starts with Dynamo reset, tpucompile's in-process caches cleared and its persistent cache off, so
-every executable counts as a compile.
+every executable counts as a compile; Inductor's cache is a new directory per run. Steady-state figures are
+taken once tpucompile's background host-kernel checks are decided.
 The sequence dimension is marked dynamic from the first call, as ``torch._dynamo.mark_dynamic`` does.
 Steady state: the median of 30 calls at one length (100, bucket 128) after the sweep, against the same
 backend's exact-size executable where it has one. Then XLA's TPU estimate of the same programs at length 100
@@ -27,9 +31,11 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import pathlib
 import statistics
 import sys
+import tempfile
 import time
 
 import torch
@@ -39,6 +45,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples")
 from llama import Llama, LlamaConfig
 
 from tpucompile.artifacts import stores
+from tpucompile.driver import host_kernel_upgrades
 from tpucompile.metrics import compile_stats as stats
 
 BACKENDS = {
@@ -81,10 +88,17 @@ def _compiles(backend: str) -> int | None:
     return stats.snapshot()["total"]["compiles"]
 
 
+def _settled(call) -> None:
+    """Run ``call`` until the host-kernel checks of its programs are decided (compiled in the background, then
+    timed on its calls), so that steady-state figures time the programs that stay."""
+    host_kernel_upgrades.wait()
+    for _ in range(2 * (host_kernel_upgrades.WARM_UP_CALLS + 5) + 3):
+        call()
+
+
 def _steady_ms(step, length: int) -> float:
     tokens = _tokens(length)
-    for _ in range(3):
-        step(tokens)
+    _settled(lambda: step(tokens))
     times = []
     for _ in range(30):
         start = time.perf_counter()
@@ -121,11 +135,57 @@ def _generate_with_cache(compiled, prompt: torch.Tensor, tokens: int) -> torch.T
     return torch.cat(generated, 1)
 
 
+SERVE_PROMPTS = [5, 12, 19, 27, 38, 50, 70, 100]
+SERVE_CACHE = 192
+
+
+def _serve_static(compiled, model: torch.nn.Module, prompt: torch.Tensor, tokens: int) -> torch.Tensor:
+    """Greedy decoding of ``tokens`` tokens after ``prompt`` into a static cache, as a server does it."""
+    import transformers
+
+    cache = transformers.StaticCache(config=model.config, max_cache_len=SERVE_CACHE)
+    length = prompt.shape[1]
+    torch._dynamo.mark_dynamic(prompt, 1)
+    out = compiled(input_ids=prompt, past_key_values=cache, use_cache=True, cache_position=torch.arange(length))
+    generated = []
+    for index in range(tokens):
+        token = out.logits[:, -1:].argmax(-1)
+        generated.append(token)
+        out = compiled(input_ids=token, past_key_values=cache, use_cache=True,
+                       cache_position=torch.tensor([length + index]))
+    return torch.cat(generated, 1)
+
+
+def _steady_static_decode_ms(compiled, model: torch.nn.Module) -> float:
+    """Median time of one decoding step at static-cache position ``STEADY_LENGTH``."""
+    import transformers
+
+    with torch.no_grad():
+        cache = transformers.StaticCache(config=model.config, max_cache_len=SERVE_CACHE)
+        compiled(input_ids=_tokens(STEADY_LENGTH), past_key_values=cache, use_cache=True,
+                 cache_position=torch.arange(STEADY_LENGTH))
+        token, position = torch.randint(0, 1024, (BATCH, 1)), torch.tensor([STEADY_LENGTH])
+        _settled(lambda: compiled(input_ids=token, past_key_values=cache, use_cache=True, cache_position=position))
+        times = []
+        for attempt in range(33):
+            start = time.perf_counter()
+            compiled(input_ids=token, past_key_values=cache, use_cache=True, cache_position=position)
+            if attempt >= 3:
+                times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
 def _steady_decode_ms(compiled, length: int) -> float:
     """Median time of one decoding step at cache length ``length`` (the cache cut back after each)."""
     with torch.no_grad():
         cache = compiled(input_ids=_tokens(length), use_cache=True).past_key_values
         token = torch.randint(0, 1024, (BATCH, 1))
+
+        def decode() -> None:
+            compiled(input_ids=token, past_key_values=cache, use_cache=True)
+            cache.crop(-1)
+
+        _settled(decode)
         times = []
         for attempt in range(33):
             start = time.perf_counter()
@@ -149,6 +209,17 @@ def run(workload: str, backend: str) -> dict:
         compiles = _compiles(backend)
         return {"workload": workload, "backend": backend, "total_s": round(total, 2), "compiles": compiles,
                 "steady_ms": round(_steady_decode_ms(compiled, STEADY_LENGTH), 2)}
+    if workload == "serve-static":
+        net = hf_llama()
+        compiled = _compiled(net, backend)
+        start = time.perf_counter()
+        with torch.no_grad():
+            for length in SERVE_PROMPTS:
+                _serve_static(compiled, net, _tokens(length), 16)
+        total = time.perf_counter() - start
+        compiles = _compiles(backend)
+        return {"workload": workload, "backend": backend, "total_s": round(total, 2), "compiles": compiles,
+                "steady_ms": round(_steady_static_decode_ms(compiled, net), 2)}
     net = hf_bert() if workload == "bert" else model()
     compiled = _compiled(net, backend)
     if workload == "train":
@@ -224,12 +295,14 @@ def tpu_costs(target: str) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workloads", default="sweep15,sweep50,train,generate,generate-cache,bert")
+    parser.add_argument("--workloads", default="sweep15,sweep50,train,generate,generate-cache,serve-static,bert")
     parser.add_argument("--backends", default=",".join(BACKENDS))
     parser.add_argument("--json", help="write the rows to this file")
     parser.add_argument("--tpu-target", default="tpu:v5e:1x1",
                         help="also report XLA's TPU estimate for this target at length 100 ('' to skip)")
     args = parser.parse_args()
+    # Inductor compiles cold in every run, as tpucompile does with its persistent cache off.
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="buckets-inductor-")
     rows = []
     for workload in args.workloads.split(","):
         for backend in args.backends.split(","):
