@@ -197,6 +197,61 @@ def test_ops_that_read_the_actual_extent_stay_on_buckets(name, caplog, seeded):
     assert {m.split("-> bucket ")[1].split()[0] for m in _bucket_compiles(caplog)} == {"32"}  # 18; 5..12 in 16
 
 
+class _DropoutBlock(torch.nn.Module):
+    """Dropout where Hugging Face's decoders put it: on the embeddings, in attention's probabilities and on
+    the residual branch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(64, 32)
+        self.qkv = torch.nn.Linear(32, 96)
+        self.drop = torch.nn.Dropout(0.25)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.drop(self.embed(ids))
+        q, k, v = self.qkv(x).view(ids.shape[0], ids.shape[1], 3, 4, 8).permute(2, 0, 3, 1, 4)
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                             dropout_p=0.25 if self.training else 0.0)
+        return x + self.drop(y.transpose(1, 2).reshape(x.shape))
+
+
+def test_dropout_stays_on_buckets_and_drops_what_it_should(caplog, seeded):
+    """Random draws are one independent number per element, so the padding's draws are never read: a
+    training step with dropout compiles per bucket, not per size. Compiled randomness is eager's in
+    distribution, not in value: the kept fraction, the scaling of what is kept and a gradient that follows
+    the same mask are checked; in eval mode results equal eager's."""
+    caplog.set_level(logging.INFO, logger="tpucompile")
+    block = _DropoutBlock()
+    compiled = torch.compile(block, backend="tpucompile", options=BUCKETED)
+    dropout = torch.compile(lambda e: block.drop(e), backend="tpucompile", options=BUCKETED)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", TpuCompileWarning)
+        for n in (6, 13, 21):
+            ids = torch.randint(0, 64, (8, n))
+            torch._dynamo.mark_dynamic(ids, 1)
+            out = compiled(ids)
+            assert out.shape == (8, n, 32) and torch.isfinite(out).all()
+            out.square().sum().backward()
+            assert all(torch.isfinite(p.grad).all() for p in block.parameters())
+            block.zero_grad()
+            e = block.embed(ids).detach().requires_grad_()
+            torch._dynamo.mark_dynamic(e, 1)
+            d = dropout(e)
+            fraction = (d != 0).float().mean().item()
+            assert abs(fraction - 0.75) < 0.05, fraction  # 8 * n * 32 draws of keep-probability 0.75
+            survivors = d != 0
+            torch.testing.assert_close(d[survivors], e.detach()[survivors] / 0.75)
+            (grad,) = torch.autograd.grad(d.sum(), e)
+            torch.testing.assert_close(grad, survivors.float() / 0.75)
+        block.eval()
+        for n in (6, 13):
+            ids = torch.randint(0, 64, (8, n))
+            torch._dynamo.mark_dynamic(ids, 1)
+            torch.testing.assert_close(compiled(ids), block(ids), rtol=1e-5, atol=1e-5)
+    assert not _per_size_compiles(caplog), _per_size_compiles(caplog)
+    assert _bucket_compiles(caplog), "21 needs the bucket of 32"
+
+
 @pytest.mark.parametrize("op, why", [
     (lambda x: x.median(), "aten.median(?=.*it flattens a padded tensor)"),
     (lambda x: torch.outer(x[0], x[1]).reshape(-1), "aten.view"),

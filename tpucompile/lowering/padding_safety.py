@@ -333,7 +333,7 @@ def inexact_reason(node: torch.fx.Node, runtime: frozenset[sympy.Symbol]) -> str
         if reason is not None:
             return reason
     if is_random(node.target):
-        return "it draws random numbers for the padded shape"
+        return None  # an independent draw per element (rules/random.py): the padding's draws are never read
     if packet in _CONDITIONAL:
         return _CONDITIONAL[packet](node, runtime)
     if packet in _EXACT:
