@@ -53,6 +53,23 @@ def test_real_views_and_casts_stay():
     assert remove_noop_views(gm) == 0
 
 
+def test_a_scatter_into_the_whole_dimension_is_its_source():
+    def f(x, src, part):
+        whole = aten.slice_scatter.default(x, src, 1, -7, 9223372036854775807)  # src covers x: the result is src
+        partial = aten.slice_scatter.default(x, part, 1, -2, 9223372036854775807)  # a real write: stays
+        return aten.add.Tensor(whole, partial)
+
+    x, src, part = torch.randn(2, 5), torch.randn(2, 5), torch.randn(2, 2)
+    gm = _trace(f, x, src, part)
+    expected = gm(x, src, part)
+    assert remove_noop_views(gm) == 1
+    assert _targets(gm) == [aten.slice_scatter.default, aten.add.Tensor]
+    torch.testing.assert_close(gm(x, src, part), expected)
+    returned = _trace(lambda x, src: aten.slice_scatter.default(x, src, 0, 0, 9223372036854775807),
+                      torch.randn(3), torch.randn(3))
+    assert remove_noop_views(returned) == 0, "returning the input itself would alias it"
+
+
 def test_dead_code_is_eliminated():
     def f(x):
         aten.sin.default(x)  # unused

@@ -252,6 +252,29 @@ def test_dropout_stays_on_buckets_and_drops_what_it_should(caplog, seeded):
     assert _bucket_compiles(caplog), "21 needs the bucket of 32"
 
 
+def test_a_window_from_the_end_longer_than_the_sequence_stays_on_buckets(caplog, seeded):
+    """``x[:, :, -w:]`` on a sequence no longer than ``w`` (Hugging Face's sliding-window cache on every
+    prompt shorter than its window) is the whole dimension, forward and backward, so it stays on buckets."""
+    caplog.set_level(logging.INFO, logger="tpucompile")
+
+    def keep_window(x):
+        return x[:, :, -8:] * 2
+
+    compiled = torch.compile(keep_window, backend="tpucompile", options=BUCKETED)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", TpuCompileWarning)
+        for n in (3, 5, 7):
+            x = torch.randn(2, 3, n, 4, requires_grad=True)
+            torch._dynamo.mark_dynamic(x, 2)
+            got = compiled(x)
+            assert_close_tree(got, keep_window(x))
+            weights = torch.randn_like(got)
+            (grad,) = torch.autograd.grad((got * weights).sum(), x)
+            (expected,) = torch.autograd.grad((keep_window(x) * weights).sum(), x)
+            assert_close_tree(grad, expected)
+    assert not _per_size_compiles(caplog), _per_size_compiles(caplog)
+
+
 @pytest.mark.parametrize("op, why", [
     (lambda x: x.median(), "aten.median(?=.*it flattens a padded tensor)"),
     (lambda x: torch.outer(x[0], x[1]).reshape(-1), "aten.view"),

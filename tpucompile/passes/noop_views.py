@@ -1,5 +1,6 @@
 """Remove ops that return their input unchanged: same-shape views and expands, identity permutations,
-full slices, clones, aliases and same-dtype casts. Fewer nodes means less to lower and to key on."""
+full slices, clones, aliases and same-dtype casts, and scatters into a whole dimension (their source). Fewer
+nodes means less to lower and to key on."""
 
 from __future__ import annotations
 
@@ -63,12 +64,30 @@ def _is_noop(node: torch.fx.Node) -> bool:
     return False
 
 
+def _replaces_everything(node: torch.fx.Node) -> bool:
+    """A ``slice_scatter`` whose source has the operand's shape: the slice is the whole dimension, so the
+    result is the source (the backward of a full slice, e.g. ``x[:, -w:]`` on a sequence no longer than
+    ``w``, as Hugging Face's sliding-window caches take it)."""
+    if node.op != "call_function" or node.target is not aten.slice_scatter.default or len(node.args) < 2:
+        return False
+    operand, source = node.args[0], node.args[1]
+    if not isinstance(operand, torch.fx.Node) or not isinstance(source, torch.fx.Node):
+        return False
+    if source.op == "placeholder" and any(user.op == "output" for user in node.users):
+        return False  # the graph returns a fresh tensor here; dropping the write would alias an input
+    step = node.args[5] if len(node.args) > 5 else node.kwargs.get("step", 1)
+    return (step == 1 and _same_type(operand.meta.get("val"), source.meta.get("val"))
+            and _same_type(source.meta.get("val"), node.meta.get("val")))
+
+
 def remove_noop_views(gm: torch.fx.GraphModule) -> int:
-    """Replace no-op nodes by their input; returns how many were removed."""
+    """Replace no-op nodes by their input (a whole-dimension ``slice_scatter`` by its source); returns how many
+    were removed."""
     removed = 0
     for node in list(gm.graph.nodes):
-        if _is_noop(node):
-            node.replace_all_uses_with(node.args[0])
+        replacement = node.args[0] if _is_noop(node) else node.args[1] if _replaces_everything(node) else None
+        if replacement is not None:
+            node.replace_all_uses_with(replacement)
             gm.graph.erase_node(node)
             removed += 1
     if removed:
