@@ -97,6 +97,13 @@ def test_listed_buckets_and_sizes_past_them(caplog, seeded):
     assert buckets == ["32", "40", "41"]  # 3 and 8 in 8 (the first compile), 9 and 32 in 32; past 32: per size
 
 
+def _shift_right(x: torch.Tensor) -> torch.Tensor:
+    shifted = x.new_zeros(x.shape)
+    shifted[:, 1:] = x[:, :-1].clone()
+    shifted[:, 0] = 7.0
+    return shifted
+
+
 _ACTUAL_EXTENT_OPS = {
     # divide by the actual count, forward and backward (a runtime size as a number)
     "mean": lambda x: x.mean(dim=1),
@@ -125,6 +132,7 @@ _ACTUAL_EXTENT_OPS = {
     "positions-after": lambda x: x * torch.arange(x.shape[1], 2 * x.shape[1]),
     "length-as-value": lambda x: x * torch.full((1,), x.shape[1]),
     "window": lambda x: x[:, :2] * 2,
+    "shift-right": lambda x: _shift_right(x) * x,  # T5's decoder inputs: a copy into a slice, then the start
     "gather": lambda x: x.gather(1, x.argsort(1)[:, :2]),
     "split": lambda x: torch.cat([p * (i + 1) for i, p in enumerate(x.split([2, x.shape[1] - 2], 1))], 1),
     "chunk-static-dim": lambda x: torch.stack(x.unsqueeze(2).expand(3, x.shape[1], 4).chunk(2, 2), 0) * 2,

@@ -30,13 +30,14 @@ _EXACT: set[Any] = {
     # views and copies keep the padding at the end of every dimension
     aten.expand, aten.permute, aten.transpose, aten.t,
     aten.unsqueeze, aten.squeeze, aten.clone, aten._to_copy, aten.alias, aten.detach, aten.lift_fresh_copy,
-    aten.contiguous, torch.ops.prims.squeeze,
+    aten.contiguous, torch.ops.prims.squeeze, aten.copy,
     # reductions and products: the padder gives the padding the reduction's identity
     aten.sum, aten.amax, aten.amin, aten.max, aten.min, aten.argmax, aten.argmin, aten.any, aten.all,
     aten.prod, aten.logsumexp, aten.mm, aten.bmm, aten.addmm, aten.baddbmm, aten.dot, aten.linalg_vector_norm,
     aten._softmax, aten._log_softmax, aten._softmax_backward_data, aten._log_softmax_backward_data,
     # made at the bucket's size and marked with the actual one; iota-based masks count from the start
     aten.arange, aten.full, aten.zeros, aten.ones, aten.empty, aten.empty_strided, aten.new_empty,
+    aten.new_empty_strided,
     aten.new_zeros, aten.new_ones, aten.new_full, aten.full_like, aten.zeros_like, aten.ones_like,
     aten.empty_like, aten.empty_permuted, aten.scalar_tensor, aten.triu, aten.tril,
     # row lookups: each index picks its row whatever the padding holds
@@ -281,10 +282,10 @@ def _runtime_numbers(node: torch.fx.Node, runtime: frozenset[sympy.Symbol]) -> l
 
 
 _SIZE_TAKERS = {aten.view, aten._unsafe_view, aten.reshape, aten.expand, aten.zeros, aten.ones, aten.empty,
-                aten.empty_strided, aten.new_empty, aten.new_zeros, aten.new_ones, aten.split_with_sizes,
-                aten.native_layer_norm}
+                aten.empty_strided, aten.new_empty, aten.new_empty_strided, aten.new_zeros, aten.new_ones,
+                aten.split_with_sizes, aten.native_layer_norm}
 """Ops that take runtime sizes only as sizes (a bucket's bound gives the padded shape; layer norm's normalised
-shape is the trailing shape of its input)."""
+shape is the trailing shape of its input; strides are a layout XLA chooses itself)."""
 
 _DATA_POSITIONS: dict[Any, frozenset[int]] = {
     aten.full: frozenset({1}), aten.full_like: frozenset({1}), aten.scalar_tensor: frozenset({0}),
