@@ -34,18 +34,38 @@ def _llama() -> transformers.PreTrainedModel:
     return transformers.LlamaForCausalLM(config)
 
 
+def _mistral() -> transformers.PreTrainedModel:
+    """A sliding window of 8: prompts up to 7 tokens take the whole window (its cache's slice from the end is
+    the whole sequence, forward and backward), longer ones a part of it."""
+    config = transformers.MistralConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                        num_key_value_heads=2, intermediate_size=128, max_position_embeddings=128,
+                                        sliding_window=8)
+    return transformers.MistralForCausalLM(config)
+
+
+def _t5() -> transformers.PreTrainedModel:
+    """An encoder-decoder: the decoder's inputs are the labels shifted right inside the graph."""
+    config = transformers.T5Config(vocab_size=128, d_model=64, d_ff=128, num_layers=2, num_heads=4, d_kv=16,
+                                   dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0)
+    return transformers.T5ForConditionalGeneration(config)
+
+
 def _bucket_compiles(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if "for a new bucket" in r.getMessage()]
 
 
-@pytest.mark.parametrize("padded", [False, True], ids=["no-mask", "padding-mask"])
-@pytest.mark.parametrize("build", [_bert, _llama], ids=["bert", "llama"])
+@pytest.mark.parametrize(("build", "padded"), [
+    (_bert, False), (_bert, True), (_llama, False), (_llama, True), (_mistral, True), (_t5, True),
+], ids=["bert-no-mask", "bert-padding-mask", "llama-no-mask", "llama-padding-mask", "mistral-window-padding-mask",
+        "t5-padding-mask"])
 def test_variable_length_training_on_buckets(build, padded, caplog, seeded):
     """Lengths 6 and 13 share the bucket of 16 and 21 takes 32 (one compile each): logits, loss and every
     parameter's gradient equal eager at each length, with no graph falling back to per-size compiles (the loss
     pads the shifted labels and its backward scatters into the hidden states: both stay on buckets). With a
     padding mask (the second sequence's first two tokens masked), Hugging Face's mask builder indexes the
-    mask per batch row and key position inside the graph: that gather stays on buckets too."""
+    mask per batch row and key position inside the graph: that gather stays on buckets too. Mistral's
+    sliding-window cache slices the last positions of a sequence no longer than its window, and T5 shifts its
+    labels right into the decoder's inputs by a copy into a slice: both stay on buckets."""
     caplog.set_level(logging.INFO, logger="tpucompile")
     model = build()
     compiled_model = copy.deepcopy(model)
