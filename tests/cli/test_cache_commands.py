@@ -91,18 +91,22 @@ def test_commands_that_run_a_script_configure_it_without_touching_os_environ(tmp
     changes (importing jax and libtpu the first time adds variables of their own, which is not the CLI)."""
     monkeypatch.delenv("TPUCOMPILE_CACHE_MODE", raising=False)
     monkeypatch.delenv("TPUCOMPILE_TARGETS", raising=False)
+    monkeypatch.delenv("TPUCOMPILE_HOST_KERNEL_TIMING", raising=False)
     script = tmp_path / "probe.py"
     script.write_text(
         "import json, os, sys\n"
         "from tpucompile.config import Options\n"
         "o = Options.from_sources()\n"
         "seen = {'cache_dir': o.cache_dir, 'cache_mode': o.cache_mode, 'targets': list(o.targets),\n"
+        "        'host_kernel_timing': o.host_kernel_timing,\n"
         "        'environ': {k: v for k, v in os.environ.items() if k.startswith('TPUCOMPILE_')}}\n"
         "open(sys.argv[1], 'w').write(json.dumps(seen))\n"
     )
     before = dict(os.environ)
     ours = {k: v for k, v in before.items() if k.startswith("TPUCOMPILE_")}
-    expected = {"cache_dir": str(tmp_path / "cache"), "cache_mode": "read-write", "targets": ["cpu"], "environ": ours}
+    # what warm compiles is what a server loads: the host kernels chosen before the compile, not on later calls
+    expected = {"cache_dir": str(tmp_path / "cache"), "cache_mode": "read-write", "targets": ["cpu"],
+                "host_kernel_timing": "inline", "environ": ours}
 
     def unchanged() -> bool:
         now = dict(os.environ)

@@ -22,9 +22,14 @@ def script_settings(args: argparse.Namespace, **overrides: str) -> Iterator[list
     each ``--target`` (added to ``TPUCOMPILE_TARGETS``), and sees ``overrides`` (option name → the text of
     its ``TPUCOMPILE_<NAME>`` variable). The targets are checked first: a missing libtpu or an unknown
     topology fails before the script runs. With targets, the process caps glibc's heap arenas
-    (``host_memory``). Yields the target names."""
+    (``host_memory``). Host kernels are chosen before each compile (``host_kernel_timing="inline"``) unless the
+    environment says otherwise. Yields the target names."""
     if args.dir:
         overrides["cache_dir"] = args.dir
+    if "TPUCOMPILE_HOST_KERNEL_TIMING" not in effective_environ():
+        # What these commands compile is what a later process loads (or what the dump shows): the host-kernel
+        # choice is made before each compile, not on calls a short script may never make.
+        overrides["host_kernel_timing"] = "inline"
     names = target_names(args)
     if names:
         from tpucompile.runtime.host_memory import limit_heap_arenas
