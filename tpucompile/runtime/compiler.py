@@ -7,6 +7,7 @@ from collections.abc import Iterable
 from jaxlib import xla_client
 
 from tpucompile.errors import CompileError
+from tpucompile.runtime import depthwise
 from tpucompile.runtime.custom_calls import make_ready
 from tpucompile.runtime.host_kernels import kernel_choice
 from tpucompile.runtime.targets.local import Target
@@ -34,7 +35,8 @@ def for_target(module: bytes | str, target: Target, host_ops: Iterable[str] | No
     """``module`` as ``target`` compiles it: on one CPU device with host kernels, the matrix products and f32
     convolutions named by ``host_ops`` (all they take when None) call them (``kernel_choice``); otherwise
     unchanged."""
-    return kernel_choice.apply(module, target, host_ops)
+    module = kernel_choice.apply(module, target, host_ops)
+    return depthwise.rewrite(module) if target.platform == "cpu" else module
 
 
 def unoptimized_hlo(module: bytes | str) -> str:
