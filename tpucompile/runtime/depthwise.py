@@ -34,6 +34,34 @@ def _ints(op: Any, name: str, default: int, rank: int) -> list[int]:
     return [int(v) for v in ir.DenseI64ArrayAttr(op.attributes[name])]
 
 
+def _types(op: Any) -> list[Any] | None:
+    """The types of the convolution's two operands and result, or None where the rewrite cannot take it: a
+    shape known only at run time, or a reversed window."""
+    types = [ir.RankedTensorType(v.type) for v in (*op.operands, op.results[0])]
+    if not all(t.has_static_shape for t in types):
+        return None
+    if "window_reversal" in op.attributes and any(ir.DenseBoolArrayAttr(op.attributes["window_reversal"])):
+        return None
+    return types
+
+
+def _padding(op: Any, rank: int) -> list[list[int]]:
+    """(low, high) per spatial dimension."""
+    if "padding" not in op.attributes:
+        return [[0, 0]] * rank
+    flat = [int(v) for v in ir.DenseIntElementsAttr(op.attributes["padding"])]
+    return [flat[2 * i:2 * i + 2] for i in range(rank)]
+
+
+def _pad(value: Any, low: list[int], high: list[int], interior: list[int]) -> Any:
+    """``value`` padded with zeros (unchanged where nothing is added)."""
+    if not any(low) and not any(high) and not any(interior):
+        return value
+    element = ir.RankedTensorType(value.type).element_type
+    zero = hlo.constant(ir.DenseElementsAttr.get_splat(ir.RankedTensorType.get([], element), _zero(element)))
+    return hlo.pad(value, zero, low, high, interior)
+
+
 def _replace(op: Any) -> bool:
     """Rewrite one depthwise ``stablehlo.convolution``, forward (or input gradient) or kernel gradient;
     returns whether it did."""
@@ -46,13 +74,10 @@ def _replace_forward(op: Any) -> bool:
     """Rewrite one ``stablehlo.convolution`` if it is depthwise (one input feature per group, as many groups
     as features, any whole number of output features per group); returns whether it did."""
     lhs, rhs = op.operands
-    lhs_type, rhs_type, out_type = (ir.RankedTensorType(v.type) for v in (lhs, rhs, op.results[0]))
-    if not all(t.has_static_shape for t in (lhs_type, rhs_type, out_type)):
+    types = _types(op)
+    if types is None:
         return False
-    if int(ir.IntegerAttr(op.attributes["batch_group_count"]).value) != 1:
-        return False
-    if "window_reversal" in op.attributes and any(ir.DenseBoolArrayAttr(op.attributes["window_reversal"])):
-        return False
+    lhs_type, rhs_type, out_type = types
     numbers = hlo.ConvDimensionNumbers(op.attributes["dimension_numbers"])
     spatial = list(numbers.input_spatial_dimensions)
     same_layout = (numbers.output_batch_dimension == numbers.input_batch_dimension
@@ -73,10 +98,7 @@ def _replace_forward(op: Any) -> bool:
         return False
     strides = _ints(op, "window_strides", 1, rank)
     dilation = _ints(op, "rhs_dilation", 1, rank)
-    padding = [[0, 0]] * rank
-    if "padding" in op.attributes:
-        flat = [int(v) for v in ir.DenseIntElementsAttr(op.attributes["padding"])]
-        padding = [flat[2 * i:2 * i + 2] for i in range(rank)]
+    padding = _padding(op, rank)
     input_dilation = _ints(op, "lhs_dilation", 1, rank)
     with ir.InsertionPoint(op), op.location:
         if outputs > features:  # m outputs per input feature: each input feature repeated m times, in order
@@ -103,8 +125,7 @@ def _tap_sum(lhs: Any, rhs: Any, numbers: Any, out_type: Any, taps: list[int], s
     for position, dim in enumerate(spatial):
         low[dim], high[dim] = padding[position]
         interior[dim] = input_dilation[position] - 1
-    zero = hlo.constant(ir.DenseElementsAttr.get_splat(ir.RankedTensorType.get([], element), _zero(element)))
-    padded = hlo.pad(lhs, zero, low, high, interior) if any(low) or any(high) or any(interior) else lhs
+    padded = _pad(lhs, low, high, interior)
     out_shape = list(out_type.shape)
     rhs_type = ir.RankedTensorType(rhs.type)
     weights = rhs if rhs_type.element_type == element else hlo.convert(
@@ -166,13 +187,10 @@ def _replace_kernel_gradient(op: Any) -> bool:
     gy[n, o, p]``, one batched product per tap. XLA's CPU backend turns the grouped form into a convolution
     whose window spans the features (FastViT-T8's last block: 3 s against eager's 11 ms)."""
     x, gy = op.operands
-    x_type, gy_type, out_type = (ir.RankedTensorType(v.type) for v in (x, gy, op.results[0]))
-    if not all(t.has_static_shape for t in (x_type, gy_type, out_type)):
+    types = _types(op)
+    if types is None or int(ir.IntegerAttr(op.attributes["feature_group_count"]).value) != 1:
         return False
-    if int(ir.IntegerAttr(op.attributes["feature_group_count"]).value) != 1:
-        return False
-    if "window_reversal" in op.attributes and any(ir.DenseBoolArrayAttr(op.attributes["window_reversal"])):
-        return False
+    x_type, gy_type, out_type = types
     numbers = hlo.ConvDimensionNumbers(op.attributes["dimension_numbers"])
     rank = x_type.rank - 2
     spatial = list(range(2, rank + 2))
@@ -194,20 +212,14 @@ def _replace_kernel_gradient(op: Any) -> bool:
         return False
     tap_step = _ints(op, "window_strides", 1, rank)  # the forward's dilation
     position_step = _ints(op, "rhs_dilation", 1, rank)  # the forward's stride
-    padding = [[0, 0]] * rank
-    if "padding" in op.attributes:
-        flat = [int(v) for v in ir.DenseIntElementsAttr(op.attributes["padding"])]
-        padding = [flat[2 * i:2 * i + 2] for i in range(rank)]
+    padding = _padding(op, rank)
     element = out_type.element_type
     with ir.InsertionPoint(op), op.location:
         x = x if x_type.element_type == element else hlo.convert(ir.RankedTensorType.get(x_shape, element), x)
         gy = gy if gy_type.element_type == element else hlo.convert(ir.RankedTensorType.get(gy_shape, element), gy)
         if outputs > features:
             x = _repeat_features(x, 1, outputs // features)
-        low = [0, 0, *(p[0] for p in padding)]
-        high = [0, 0, *(p[1] for p in padding)]
-        zero = hlo.constant(ir.DenseElementsAttr.get_splat(ir.RankedTensorType.get([], element), _zero(element)))
-        padded = hlo.pad(x, zero, low, high, [0] * x_type.rank) if any(low) or any(high) else x
+        padded = _pad(x, [0, 0, *(p[0] for p in padding)], [0, 0, *(p[1] for p in padding)], [0] * x_type.rank)
         positions = gy_shape[2:]
         per_tap = []
         vector = ir.RankedTensorType.get([1, outputs], element)
