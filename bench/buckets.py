@@ -92,7 +92,7 @@ def _settled(call) -> None:
     """Run ``call`` until the host-kernel checks of its programs are decided (compiled in the background, then
     timed on its calls), so that steady-state figures time the programs that stay."""
     host_kernel_upgrades.wait()
-    for _ in range(2 * (host_kernel_upgrades.WARM_UP_CALLS + 5) + 3):
+    for _ in range(host_kernel_upgrades.TRIAL_CALLS + 3):
         call()
 
 

@@ -166,7 +166,7 @@ def measure_one(name: str, backend: str, decisions: str | None) -> dict:
         start = time.perf_counter()
         host_kernel_upgrades.wait()
         row["background_s"] = round(time.perf_counter() - start, 3)
-        for _ in range(2 * (host_kernel_upgrades.WARM_UP_CALLS + 5)):  # the trials' calls (5 timed rounds)
+        for _ in range(host_kernel_upgrades.TRIAL_CALLS):  # the trials' calls
             loss_of(compiled).backward()
         row["decided"] = list(host_kernel_upgrades.decided)
         row["steady_step_after_s"] = _step_seconds(compiled, loss_of)

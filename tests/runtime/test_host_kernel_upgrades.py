@@ -47,7 +47,7 @@ def _training_step(timing: str):
 
 def _run_until_decided(step, compiled, expected, before: int, graphs: int = 2) -> None:
     """Training steps until the trials of ``graphs`` graphs are decided, every one checked against eager."""
-    for _ in range(2 * (host_kernel_upgrades.WARM_UP_CALLS + kernel_choice._ROUNDS) + 1):
+    for _ in range(host_kernel_upgrades.TRIAL_CALLS + 1):
         for value, reference in zip(step(compiled), expected, strict=True):
             torch.testing.assert_close(value, reference, rtol=1e-4, atol=1e-4)
         if len(host_kernel_upgrades.decided) - before == graphs:

@@ -73,18 +73,22 @@ def host_ops_chosen(
     ``kernel_choice.ProgramCheck`` where ``defer_program_check`` leaves the program's own timing for later."""
     if target.host_blas is None or mode == "off" or program.runtime_sizes:  # a kernel is a custom call,
         return ()  # whose operands XLA's dynamic padder cannot see into
-    memo = (program_sha256, id(target), mode)
-    found = stores.host_op_choices.get(memo)
+    found = stores.host_op_choices.get(_choice_memo(program_sha256, target, mode))
     if found is None:
         found = kernel_choice.chosen_ops(program.bytecode(), target, mode, defer_program_check)
         if isinstance(found, tuple):
-            stores.host_op_choices[memo] = found
+            remember_host_ops(program_sha256, target, mode, found)
     return found
 
 
 def remember_host_ops(program_sha256: str, target: Target, mode: str, host_ops: tuple[str, ...]) -> None:
-    """The choice for ``program`` once its deferred check is done: later compiles in this process take it."""
-    stores.host_op_choices[(program_sha256, id(target), mode)] = host_ops
+    """The choice for ``program`` (once made, or once its deferred check is done): later compiles in this
+    process take it."""
+    stores.host_op_choices[_choice_memo(program_sha256, target, mode)] = host_ops
+
+
+def _choice_memo(program_sha256: str, target: Target, mode: str) -> tuple[str, int, str]:
+    return program_sha256, id(target), mode
 
 
 def load_executable(

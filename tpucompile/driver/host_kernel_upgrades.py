@@ -44,6 +44,8 @@ slow each other down (two cores here)."""
 
 WARM_UP_CALLS = 1
 """Calls of each program in a trial that are not timed (a program's first run sets up its buffers)."""
+TRIAL_CALLS = 2 * (WARM_UP_CALLS + kernel_choice._ROUNDS)
+"""Calls of a graph from the start of its trial to its verdict (the two programs alternate)."""
 
 
 @dataclasses.dataclass(frozen=True)

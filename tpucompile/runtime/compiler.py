@@ -33,8 +33,8 @@ def compile_module(module: bytes | str, target: Target, num_partitions: int | No
 
 def for_target(module: bytes | str, target: Target, host_ops: Iterable[str] | None = None) -> bytes | str:
     """``module`` as ``target`` compiles it: on one CPU device with host kernels, the matrix products and f32
-    convolutions named by ``host_ops`` (all they take when None) call them (``kernel_choice``); otherwise
-    unchanged."""
+    convolutions named by ``host_ops`` (all they take when None) call them (``kernel_choice``); on the CPU,
+    depthwise convolutions are sums over their taps (``depthwise``); otherwise unchanged."""
     module = kernel_choice.apply(module, target, host_ops)
     return depthwise.rewrite(module) if target.platform == "cpu" else module
 

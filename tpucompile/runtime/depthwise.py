@@ -115,30 +115,21 @@ def _tap_sum(lhs: Any, rhs: Any, numbers: Any, out_type: Any, taps: list[int], s
     element type; an input dilation (a transposed convolution: the input gradient of a strided one) is the
     pad's interior padding, as the convolution dilates its input before padding it."""
     element = out_type.element_type
-    lhs_type = ir.RankedTensorType(lhs.type)
-    rank_all = lhs_type.rank
+    rank_all = out_type.rank
     spatial = list(numbers.input_spatial_dimensions)
     feature = numbers.input_feature_dimension
-    if lhs_type.element_type != element:
-        lhs = hlo.convert(ir.RankedTensorType.get(lhs_type.shape, element), lhs)
     low, high, interior = [0] * rank_all, [0] * rank_all, [0] * rank_all
     for position, dim in enumerate(spatial):
         low[dim], high[dim] = padding[position]
         interior[dim] = input_dilation[position] - 1
-    padded = _pad(lhs, low, high, interior)
+    padded = _pad(_as(lhs, element), low, high, interior)
     out_shape = list(out_type.shape)
-    rhs_type = ir.RankedTensorType(rhs.type)
-    weights = rhs if rhs_type.element_type == element else hlo.convert(
-        ir.RankedTensorType.get(rhs_type.shape, element), rhs)
+    weights = _as(rhs, element)
     features = out_shape[feature]
+    counts = [out_shape[dim] for dim in spatial]
     total = None
     for tap in _taps(taps):
-        starts, limits, steps = [0] * rank_all, list(out_shape), [1] * rank_all
-        for position, dim in enumerate(spatial):
-            starts[dim] = tap[position] * dilation[position]
-            limits[dim] = starts[dim] + (out_shape[dim] - 1) * strides[position] + 1
-            steps[dim] = strides[position]
-        window = hlo.slice(padded, starts, limits, steps)
+        window = _window(padded, spatial, tap, dilation, counts, strides)
         weight = _tap_weights(weights, numbers, tap, features, element)
         term = hlo.multiply(window, hlo.broadcast_in_dim(out_type, weight, [feature]))
         total = term if total is None else hlo.add(total, term)
@@ -173,6 +164,27 @@ def _taps(taps: list[int]) -> list[tuple[int, ...]]:
     for size in taps:
         found = [(*prefix, index) for prefix in found for index in range(size)]
     return found
+
+
+def _as(value: Any, element: Any) -> Any:
+    """``value`` in element type ``element`` (the convolution's result type: bf16 operands accumulate in f32)."""
+    value_type = ir.RankedTensorType(value.type)
+    if value_type.element_type == element:
+        return value
+    return hlo.convert(ir.RankedTensorType.get(value_type.shape, element), value)
+
+
+def _window(padded: Any, spatial: list[int], tap: tuple[int, ...], spacing: list[int], counts: list[int],
+            stride: list[int]) -> Any:
+    """The elements of ``padded`` that tap ``tap`` meets: along each spatial dimension ``counts`` of them,
+    ``stride`` apart, from ``tap * spacing``; every other dimension whole."""
+    shape = list(ir.RankedTensorType(padded.type).shape)
+    starts, limits, steps = [0] * len(shape), list(shape), [1] * len(shape)
+    for position, dim in enumerate(spatial):
+        starts[dim] = tap[position] * spacing[position]
+        limits[dim] = starts[dim] + (counts[position] - 1) * stride[position] + 1
+        steps[dim] = stride[position]
+    return hlo.slice(padded, starts, limits, steps)
 
 
 def _zero(element: Any) -> Any:
@@ -215,23 +227,19 @@ def _replace_kernel_gradient(op: Any) -> bool:
     padding = _padding(op, rank)
     element = out_type.element_type
     with ir.InsertionPoint(op), op.location:
-        x = x if x_type.element_type == element else hlo.convert(ir.RankedTensorType.get(x_shape, element), x)
-        gy = gy if gy_type.element_type == element else hlo.convert(ir.RankedTensorType.get(gy_shape, element), gy)
+        x, gy = _as(x, element), _as(gy, element)
         if outputs > features:
             x = _repeat_features(x, 1, outputs // features)
         padded = _pad(x, [0, 0, *(p[0] for p in padding)], [0, 0, *(p[1] for p in padding)], [0] * x_type.rank)
         positions = gy_shape[2:]
         per_tap = []
         vector = ir.RankedTensorType.get([1, outputs], element)
+        contracting = [0, *spatial]  # images and positions; the features are the batch
+        numbers_dot = hlo.DotDimensionNumbers.get(lhs_batching_dimensions=[1], rhs_batching_dimensions=[1],
+                                                  lhs_contracting_dimensions=contracting,
+                                                  rhs_contracting_dimensions=contracting)
         for tap in _taps(taps):
-            starts = [0, 0, *(t * d for t, d in zip(tap, tap_step, strict=True))]
-            limits = [gy_shape[0], outputs, *(start + (n - 1) * s + 1 for start, n, s in
-                                              zip(starts[2:], positions, position_step, strict=True))]
-            window = hlo.slice(padded, starts, limits, [1, 1, *position_step])
-            contracting = [0, *spatial]
-            numbers_dot = hlo.DotDimensionNumbers.get(lhs_batching_dimensions=[1], rhs_batching_dimensions=[1],
-                                                      lhs_contracting_dimensions=contracting,
-                                                      rhs_contracting_dimensions=contracting)
+            window = _window(padded, spatial, tap, tap_step, positions, position_step)
             summed = hlo.dot_general(ir.RankedTensorType.get([outputs], element), window, gy, numbers_dot)
             per_tap.append(hlo.reshape(vector, summed))
         stacked = hlo.concatenate(per_tap, 0) if len(per_tap) > 1 else per_tap[0]  # [taps, O]
