@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import operator
+from collections.abc import Sequence
 from typing import Any
 
 import sympy
@@ -28,12 +29,14 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from tpucompile import diagnostics
 from tpucompile.contracts.calling_convention import SEED_POSITION, OutputSlot
 from tpucompile.contracts.donation_marks import DONATABLE, SAVED, UPDATED, kind_of
+from tpucompile.contracts.loop_ops import is_loop
 from tpucompile.errors import LoweringError, TpuCompileError, UnsupportedOpError
 from tpucompile.lowering import (
     builder,
     custom_ops,
     dynamic_sizes,
     jax_bridge,
+    loops,
     padding_safety,
     shardy_attributes,
     unmerged,
@@ -316,8 +319,8 @@ class _GraphLowering:
             raise UnsupportedOpError(f"dtype {val.dtype} is not supported: {diagnostics.describe_node(node)}")
         return self.bindings.spec(val)
 
-    def _lower_constant(self, node: torch.fx.Node) -> Any:
-        value = getattr(self.gm, str(node.target))
+    def _lower_constant(self, node: torch.fx.Node, owner: torch.fx.GraphModule | None = None) -> Any:
+        value = getattr(owner if owner is not None else self.gm, str(node.target))
         if not isinstance(value, torch.Tensor):
             return value
         if value.dtype not in SUPPORTED_DTYPES:
@@ -331,6 +334,12 @@ class _GraphLowering:
             return self.env[node.args[0]][node.args[1]]
         if val is not None and not isinstance(val, (torch.Tensor, list, tuple)):
             return self.bindings.resolve(val)  # SymInt arithmetic: a constant of this specialisation
+        if is_loop(node):
+            if self.sizes is not None:
+                raise UnsupportedOpError(f"a rolled loop in a program with runtime sizes: "
+                                         f"{diagnostics.describe_node(node)}")
+            with _location(node):
+                return loops.lower_scan(node, self.env, self._lower_body)
         reason = unsupported_reason(node)
         if reason is not None:
             raise UnsupportedOpError(reason)
@@ -380,6 +389,24 @@ class _GraphLowering:
                 (result,) = result
         self._check_result(node, ctx, result)
         return result
+
+    def _lower_body(self, body: torch.fx.GraphModule, arguments: Sequence[Any]) -> list[Any]:
+        """The values of a loop body's outputs, its ops lowered at the current insertion point on
+        ``arguments`` (its placeholders' values, in order)."""
+        outer = self.env
+        self.env = {}
+        try:
+            placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
+            self.env.update(zip(placeholders, arguments, strict=True))
+            for node in body.graph.nodes:
+                if node.op == "call_function":
+                    self.env[node] = self._lower_call(node)
+                elif node.op == "get_attr":
+                    self.env[node] = self._lower_constant(node, body)
+            outputs = body.graph.output_node().args[0]
+            return [unmerged.materialize(self.env[o]) for o in outputs]
+        finally:
+            self.env = outer
 
     def _fixed_windows(self, node: torch.fx.Node, result: Any) -> Any:
         """A slice (or split piece) of fixed extent taken from a runtime-sized dimension, made a value of fixed
@@ -506,6 +533,8 @@ def unsupported_reason(node: torch.fx.Node) -> str | None:
     """Why ``node`` cannot be lowered (an unsupported dtype, or no rule for its op), or None if it can."""
     if node.op != "call_function" or node.target is operator.getitem:
         return None
+    if is_loop(node):
+        return loops.unsupported_in_body(node, unsupported_reason)
     val = node.meta.get("val")
     if val is not None and not isinstance(val, (torch.Tensor, list, tuple)):
         return None  # size arithmetic, evaluated while lowering

@@ -15,6 +15,7 @@ from typing import Any
 
 from jax.extend.mlir import ir
 
+from tpucompile.contracts.loop_ops import TRIPS_PREFIX
 from tpucompile.errors import CompileError
 from tpucompile.runtime.compiler import for_target
 from tpucompile.runtime.mlir_walk import walk_operations
@@ -56,12 +57,15 @@ class TargetExecutable:
 
 
 _CYCLES = re.compile(r'"estimated_cycles":"(\d+)"')
+_LOOP = re.compile(r'= [^\n]*? while\([^\n]*?\bbody=%?(?P<body>[\w.\-]+)[^\n]*?op_name="'
+                   + re.escape(TRIPS_PREFIX) + r'(?P<n>\d+)"')
 
 
 def estimated_cycles(executable: Any) -> int | None:
     """The sum of the TPU compiler's cycle estimates of the entry computation's instructions (each fusion's
-    figure covers its body), as if none overlapped: a time estimate where ``optimal_seconds`` has none. None
-    where the compiler writes no estimates (other platforms)."""
+    figure covers its body), as if none overlapped: a time estimate where ``optimal_seconds`` has none. A loop
+    (rolled layers) counts its body's instructions once per iteration. None where the compiler writes no
+    estimates (other platforms)."""
     total, found = 0, False
     try:
         modules = executable.hlo_modules()
@@ -72,11 +76,26 @@ def estimated_cycles(executable: Any) -> int | None:
         start = text.find("\nENTRY ")
         if start < 0:
             continue
-        end = text.find("\n}", start)
-        for match in _CYCLES.finditer(text, start, end if end >= 0 else len(text)):
-            total, found = total + int(match[1]), True
+        cycles, any_found = _computation_cycles(text, start, 1)
+        total, found = total + cycles, found or any_found
         del text
     return total if found else None
+
+
+def _computation_cycles(text: str, start: int, repeat: int) -> tuple[int, bool]:
+    """The cycle estimates of the computation whose header line starts at ``start`` (a newline), its loops'
+    bodies counted per iteration."""
+    end = text.find("\n}", start)
+    end = end if end >= 0 else len(text)
+    total, found = 0, False
+    for match in _CYCLES.finditer(text, start, end):
+        total, found = total + repeat * int(match[1]), True
+    for loop in _LOOP.finditer(text, start, end):
+        header = re.search(rf"\n%?{re.escape(loop['body'])} ", text)
+        if header is not None:
+            cycles, body_found = _computation_cycles(text, header.start(), repeat * int(loop["n"]))
+            total, found = total + cycles, found or body_found
+    return total, found
 
 
 def cost_analysis(executable: Any) -> dict[str, float]:
