@@ -36,6 +36,7 @@ from tpucompile.contracts.input_uses import BUDGET_KEY, PARAMETERS
 from tpucompile.contracts.target_names import GENERATIONS
 from tpucompile.contracts.target_names import parse as parse_target
 from tpucompile.frontend.block_boundaries import mark_block_boundaries
+from tpucompile.passes.rolled_loops import tidy_rolled_loops
 from tpucompile.sharding.annotate import input_index
 
 FIT_FRACTION = 0.85
@@ -95,6 +96,7 @@ def fitting_partition(config: Options, uses: Sequence[str | None]) -> Callable[.
     activation_divisor = max((d for d, use in zip(divisors, uses, strict=False) if use != PARAMETERS), default=1)
 
     def partition(joint_module: torch.fx.GraphModule, joint_inputs: Sequence[Any], **kwargs: Any) -> Any:
+        tidy_rolled_loops(joint_module)
         def split(budget: float) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule, int]:
             with torch._functorch.config.patch(activation_memory_budget=budget):
                 forward, backward = min_cut_rematerialization_partition(joint_module, joint_inputs, **kwargs)
