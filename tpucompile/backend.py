@@ -21,7 +21,7 @@ import torch.fx
 from torch._dynamo.backends.common import aot_autograd
 
 from tpucompile import plan_replay
-from tpucompile.config import Options, narrow_products_for
+from tpucompile.config import Options, narrow_products_for, roll_layers_for
 from tpucompile.debug import recorder as dump
 from tpucompile.driver import compile_graph, decompositions_for, record_graph, resolve_targets
 from tpucompile.driver.host_kernel_upgrades import compiling
@@ -33,6 +33,7 @@ from tpucompile.frontend import (
     mark_donatable,
     rewrite_attention,
     rewrite_interpolation,
+    roll_repeated_layers,
     traced_like_real_tensors,
 )
 from tpucompile.sharding.binding import bind_sharding, dtensor_outputs
@@ -57,6 +58,8 @@ def tpucompile_backend(
         record_graph(f"graph {index}", "fx_rewrite_attention", gm)
     if rewrite_interpolation(gm):
         record_graph(f"graph {index}", "fx_rewrite_interpolation", gm)
+    if roll_layers_for(config.roll_layers, targets.platforms) and roll_repeated_layers(gm):
+        record_graph(f"graph {index}", "fx_roll_layers", gm)
 
     recorder = None
     with _aot_autograd_settings(config):  # the plan is keyed on the settings AOTAutograd will trace with

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from tpucompile.contracts.target_names import parse as parse_target
@@ -92,6 +92,14 @@ class Options:
     reads each part's gradient where it lies instead of a reduce of its own over the written concatenation
     (1.7% of XLA's estimated cycles on the example GPT's training step on a v5e). The same sums, in another
     order. False sums the concatenation whole."""
+
+    roll_layers: bool | str = "auto"
+    """Runs of identical layers (the items of an ``nn.ModuleList`` a model loops over) are compiled as one loop
+    over their parameters stacked per layer, forward and backward (``frontend/layer_rolling.py``): XLA
+    compiles one layer instead of every one. False hands XLA every layer unrolled, as Dynamo traced them.
+    "auto": rolled unless a compile target is a TPU, where XLA's estimate of a rolled training step is still
+    above the unrolled one's (``docs/benchmarks.md``); True rolls for TPUs too (a deep model's plan compiles
+    in a fraction of the time). The graph dump says which runs were rolled and why others were not."""
 
     prescale_attention_query: bool = True
     """On the attention kernel's route (a TPU target), the query is multiplied by the attention's scale as an
@@ -290,8 +298,8 @@ def parse_size(text: str) -> int:
 def _check_type(name: str, value: Any, annotation: str) -> Any:
     if name == "activation_memory_budget":
         return _activation_budget(value)
-    if name == "narrow_products":
-        return _narrow_products(value)
+    if name in ("narrow_products", "roll_layers"):
+        return _bool_or_auto(name, value)
     if name in _CHOICES and value not in _CHOICES[name]:
         raise OptionsError(f"tpucompile option {name!r} must be one of {', '.join(_CHOICES[name])}, got {value!r}")
     if annotation == "bool" and not isinstance(value, bool):
@@ -358,13 +366,19 @@ def _activation_budget(value: Any) -> float | str:
     return float(number)
 
 
-def _narrow_products(value: Any) -> bool | str:
+def _bool_or_auto(name: str, value: Any) -> bool | str:
     """True, False or "auto" (also from the environment's text: 1/0, true/false, auto)."""
     if isinstance(value, str):
         value = _BOOL_TEXT.get(value.strip().lower(), value.strip().lower())
     if not (isinstance(value, bool) or value == "auto"):
-        raise OptionsError(f"tpucompile option 'narrow_products' must be true, false or \"auto\", got {value!r}")
+        raise OptionsError(f"tpucompile option {name!r} must be true, false or \"auto\", got {value!r}")
     return value
+
+
+def roll_layers_for(setting: bool | str, platforms: Iterable[str]) -> bool:
+    """Whether a compile whose graphs are lowered for ``platforms`` ("cpu", "tpu", ...) rolls repeated layers
+    under the ``roll_layers`` ``setting``."""
+    return setting if isinstance(setting, bool) else "tpu" not in platforms
 
 
 def narrow_products_for(setting: bool | str, role: str) -> bool:

@@ -23,6 +23,7 @@ from tpucompile.debug.layout import ENV_VAR, GRAPH_FOLDER, STAGES
 from tpucompile.debug.reader import read_dump
 from tpucompile.debug.report import format_summary
 from tpucompile.debug.stablehlo_text import asm
+from tpucompile.frontend.layer_rolling import ROLLING_KEY
 
 if TYPE_CHECKING:
     import torch.fx
@@ -53,6 +54,9 @@ class Recorder:
         """Keep ``gm``'s text as it is now: later passes change the graph in place."""
         try:
             text = gm.print_readable(print_output=False)
+            notes = gm.meta.get(ROLLING_KEY)
+            if notes:  # which layers were rolled into a loop, and why the others were not
+                text = "".join(f"# {line}\n" for line in notes) + text
             if stage == "partitioned":
                 self._fallback[name] = _eager_ops(gm)
         except Exception as error:  # a dump must never fail a compile

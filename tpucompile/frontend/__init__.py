@@ -13,10 +13,12 @@ from tpucompile.frontend.decompositions import decomposition_table
 from tpucompile.frontend.donation import mark_donatable
 from tpucompile.frontend.graph_input_uses import USES_KEY, graph_input_uses
 from tpucompile.frontend.interpolation import rewrite_interpolation
+from tpucompile.frontend.layer_rolling import ROLLING_KEY, roll_repeated_layers
 from tpucompile.frontend.meta_tracing import traced_like_real_tensors
 
 __all__ = [
     "BUDGET_KEY",
+    "ROLLING_KEY",
     "USES_KEY",
     "decomposition_table",
     "fitting_partition",
@@ -24,5 +26,6 @@ __all__ = [
     "mark_donatable",
     "rewrite_attention",
     "rewrite_interpolation",
+    "roll_repeated_layers",
     "traced_like_real_tensors",
 ]

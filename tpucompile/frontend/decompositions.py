@@ -31,7 +31,6 @@ _FROM_TORCH = [
     aten.native_group_norm,
     aten.embedding,
     aten.native_dropout,
-    aten.squeeze,
     aten.index_select,
 ]
 
