@@ -21,8 +21,9 @@ only in the inner one):
 * ``xla``: XLA's compile through PJRT;
 * ``other``: the first runs of both programs, autograd's engine and Python around them.
 
-``tpucompile:inline`` and ``tpucompile:background`` set ``host_kernel_timing``; ``inductor`` is Inductor's cold
-first call of the same step (empty Inductor cache), for scale.
+``tpucompile:inline`` and ``tpucompile:background`` set ``host_kernel_timing``, ``tpucompile:roll_layers=false``
+(any ``name=value``, several joined by ``:``) another option; ``inductor`` is Inductor's cold first call of the
+same step (empty Inductor cache), for scale.
 """
 
 from __future__ import annotations
@@ -151,9 +152,7 @@ def measure_one(name: str, backend: str, decisions: str | None) -> dict:
             kernel_choice.decisions_path = lambda: __import__("pathlib").Path(decisions)
     torch.manual_seed(0)
     model, loss_of = WORKLOADS[name]()
-    timing = backend.partition(":")[2]
-    compiled = torch.compile(model, backend=backend.partition(":")[0],
-                             options={"host_kernel_timing": timing} if timing else None)
+    compiled = torch.compile(model, backend=backend.partition(":")[0], options=_options(backend) or None)
     start = time.perf_counter()
     loss_of(compiled).backward()
     first = time.perf_counter() - start
@@ -173,6 +172,19 @@ def measure_one(name: str, backend: str, decisions: str | None) -> dict:
         row["phases"] = {phase: round(clock.seconds[phase], 3) for phase, _, _ in PHASES}
         row["phases"]["other"] = round(first - sum(row["phases"].values()), 3)
     return row
+
+
+def _options(backend: str) -> dict:
+    """tpucompile's options from a backend spec: ``tpucompile:inline`` sets ``host_kernel_timing``,
+    ``tpucompile:roll_layers=false`` any option (several separated by ``:``)."""
+    options: dict = {}
+    for part in backend.split(":")[1:]:
+        name, equals, value = part.partition("=")
+        if not equals:
+            options["host_kernel_timing"] = name
+        else:
+            options[name] = {"true": True, "false": False}.get(value.lower(), value)
+    return options
 
 
 def _step_seconds(compiled: Callable, loss_of: Callable, steps: int = 3) -> float:

@@ -33,6 +33,9 @@ _SOURCE_LINE = re.compile(r"source_line=(\d+)")
 _KIND = re.compile(r"kind=(k\w+)")
 _CUSTOM_TARGET = re.compile(r'custom_call_target="([^"]+)"')
 _CYCLES = re.compile(r'"estimated_cycles":"(\d+)"')
+_LOOP_BODY = re.compile(r"\bbody=%?([\w.\-]+)")
+_TRIP_COUNT = re.compile(r'op_name="rolled loop x(\d+)"|"known_trip_count":\{"n":"(\d+)"')
+_COMPUTATION = re.compile(r"^%?(?P<name>[\w.\-]+)\s.*\{\s*$")
 
 
 @dataclasses.dataclass
@@ -61,9 +64,18 @@ def shape_bytes(text: str) -> int:
 
 
 def entry_traffic(hlo_text: str) -> list[Traffic]:
-    """The traffic of each top-level instruction of the entry computation of ``hlo_text``, largest first."""
+    """The traffic of each top-level instruction of the entry computation of ``hlo_text``, largest first. A
+    ``while`` loop (rolled layers) counts as its body's instructions, each once per iteration (its bytes and
+    cycles times the trip count XLA knows; named ``<instruction> x<n>``): XLA's own cost analysis counts a
+    loop's body once."""
+    rows = _traffic(hlo_text, _entry_lines(hlo_text), 1)
+    rows.sort(key=lambda r: r.total, reverse=True)
+    return rows
+
+
+def _traffic(hlo_text: str, lines: list[str], repeat: int) -> list[Traffic]:
     rows = []
-    for line in _entry_lines(hlo_text):
+    for line in lines:
         match = _INSTRUCTION.match(line)
         if match is None:
             continue
@@ -73,6 +85,13 @@ def entry_traffic(hlo_text: str) -> list[Traffic]:
             continue
         opcode = opcode_match["opcode"]
         if opcode in _FREE:
+            continue
+        if opcode == "while":
+            body, trips = _LOOP_BODY.search(rest), _TRIP_COUNT.search(rest)
+            if body is None or trips is None:
+                raise ValueError(f"a while loop without a known trip count: {match['name']}")
+            trip_count = int(trips.group(1) or trips.group(2))
+            rows += _traffic(hlo_text, _computation_lines(hlo_text, body.group(1)), repeat * trip_count)
             continue
         result_type = rest[: opcode_match.start()]
         operands = _balanced(rest, opcode_match.end() - 1)
@@ -87,10 +106,29 @@ def entry_traffic(hlo_text: str) -> list[Traffic]:
         source_line = _SOURCE_LINE.search(rest)
         source = f"{source_file['value']}:{source_line.group(1)}" if source_file and source_line else ""
         cycles = _CYCLES.search(rest)
-        rows.append(Traffic(match["name"], opcode, shape_bytes(operands), shape_bytes(result_type),
-                            op_name["value"] if op_name else "", source, int(cycles.group(1)) if cycles else 0))
-    rows.sort(key=lambda r: r.total, reverse=True)
+        name = match["name"] if repeat == 1 else f"{match['name']} x{repeat}"
+        rows.append(Traffic(name, opcode, repeat * shape_bytes(operands), repeat * shape_bytes(result_type),
+                            op_name["value"] if op_name else "", source,
+                            repeat * int(cycles.group(1)) if cycles else 0))
     return rows
+
+
+def _computation_lines(hlo_text: str, name: str) -> list[str]:
+    """The instructions of the computation ``name`` (a loop's body), one string each."""
+    lines: list[str] = []
+    inside = False
+    for line in hlo_text.splitlines():
+        if not inside:
+            header = _COMPUTATION.match(line)
+            inside = header is not None and header["name"] == name
+            continue
+        if line.rstrip() == "}":
+            break
+        if _INSTRUCTION_START.match(line) or not lines:
+            lines.append(line)
+        else:
+            lines[-1] += " " + line.strip()
+    return lines
 
 
 def _entry_lines(hlo_text: str) -> list[str]:
