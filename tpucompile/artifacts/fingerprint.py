@@ -39,7 +39,11 @@ def encode_graph(gm: torch.fx.GraphModule, bindings: ShapeBindings, values: bool
             record["target"] = str(node.target)
         elif node.op == "get_attr":
             record["target"] = str(node.target)
-            record["value"] = encode_constant(_attribute(gm, str(node.target)))
+            attribute = _attribute(gm, str(node.target))
+            if isinstance(attribute, torch.fx.GraphModule):  # a loop's body: its graph is part of the program
+                record["graph"] = encode_graph(attribute, bindings, values)[0]
+            else:
+                record["value"] = encode_constant(attribute)
         elif node.op not in ("placeholder", "output"):
             raise Uncacheable(f"node kind {node.op}")
         if node.op != "placeholder":
