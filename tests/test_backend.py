@@ -200,3 +200,32 @@ def test_unsupported_dtype_names_dtype_and_source_line():
     message = str(info.value)
     assert "complex32" in message and "is not supported" in message
     assert "view_as_complex" in message
+
+
+def test_roll_layers_takes_a_bool_or_auto():
+    from tpucompile.config import Options, roll_layers_for
+
+    assert Options.from_sources({"roll_layers": "0"}).roll_layers is False
+    assert Options.from_sources({}).roll_layers == "auto"
+    with pytest.raises(tpucompile.OptionsError, match="roll_layers"):
+        Options.from_sources({"roll_layers": "sometimes"})
+    assert roll_layers_for("auto", {"cpu"}, None, "auto") and not roll_layers_for("auto", {"cpu", "tpu"}, None, 1.0)
+    assert not roll_layers_for("auto", {"cpu"}, None, 0.5) and roll_layers_for(True, {"tpu"}, None, 0.5)
+
+
+def test_a_loop_that_fails_to_compile_leaves_the_layers_unrolled(monkeypatch):
+    """Rolling never fails a compile: whatever goes wrong with the loop, the layers compile as Dynamo traced
+    them, with a warning that says why."""
+    from tpucompile.lowering import loops
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a loop this lowering cannot build")
+
+    monkeypatch.setattr(loops, "lower_scan", broken)
+    torch.manual_seed(0)
+    net = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.GELU()) for _ in range(3)])
+    x = torch.randn(4, 8)
+    torch._dynamo.reset()
+    with pytest.warns(tpucompile.TpuCompileWarning, match="unrolled: rolled into a loop it failed"):
+        out = torch.compile(net, backend="tpucompile", options={"roll_layers": True, "cache_mode": "off"})(x)
+    torch.testing.assert_close(out, net(x))

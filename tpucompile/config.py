@@ -98,8 +98,9 @@ class Options:
     over their parameters stacked per layer, forward and backward (``frontend/layer_rolling.py``): XLA
     compiles one layer instead of every one. False hands XLA every layer unrolled, as Dynamo traced them.
     "auto": rolled unless a compile target is a TPU, where XLA's estimate of a rolled training step is still
-    above the unrolled one's (``docs/benchmarks.md``); True rolls for TPUs too (a deep model's plan compiles
-    in a fraction of the time). The graph dump says which runs were rolled and why others were not."""
+    above the unrolled one's (``docs/benchmarks.md``), unless the graph is sharded over a mesh, and unless
+    ``activation_memory_budget`` is below 1 (``roll_layers_for``); True rolls there too (a deep model's plan
+    compiles in a fraction of the time). The graph dump says which runs were rolled and why others were not."""
 
     prescale_attention_query: bool = True
     """On the attention kernel's route (a TPU target), the query is multiplied by the attention's scale as an
@@ -375,10 +376,15 @@ def _bool_or_auto(name: str, value: Any) -> bool | str:
     return value
 
 
-def roll_layers_for(setting: bool | str, platforms: Iterable[str]) -> bool:
+def roll_layers_for(setting: bool | str, platforms: Iterable[str], mesh: Any, activation_budget: float | str) -> bool:
     """Whether a compile whose graphs are lowered for ``platforms`` ("cpu", "tpu", ...) rolls repeated layers
-    under the ``roll_layers`` ``setting``."""
-    return setting if isinstance(setting, bool) else "tpu" not in platforms
+    under the ``roll_layers`` ``setting``. "auto" leaves unrolled what rolling does not serve yet: TPU programs
+    (XLA's estimate of a rolled step is above the unrolled one's), sharded programs (plans that name a layer's
+    outputs, stacked weights' shardings) and a budget below 1 (which applies outside the loops only)."""
+    if isinstance(setting, bool):
+        return setting
+    lowered_budget = activation_budget != "auto" and float(activation_budget) < 1.0
+    return "tpu" not in platforms and mesh is None and not lowered_budget
 
 
 def narrow_products_for(setting: bool | str, role: str) -> bool:

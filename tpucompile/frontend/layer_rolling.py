@@ -45,6 +45,8 @@ _INDEXED = re.compile(r"^(?P<prefix>.+?)(?:\.(?P<dot>\d+)|\[(?P<bracket>\d+)\])$
 
 _RANDOM_NAMES = ("rand", "randn", "randint", "rand_like", "randn_like", "randint_like", "bernoulli", "multinomial",
                  "normal", "uniform", "randperm", "poisson")
+_SUMS = {operator.add, operator.sub, torch.add, torch.sub, "add", "sub"}
+"""Ops whose gradient never reads their result: a carry they make needs no copy of its own."""
 _DROPOUTS = ("dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout")
 
 
@@ -179,6 +181,8 @@ def _unrollable(layer: _Layer) -> str | None:
         name = _name(node)
         if _symbolic(_example(node)):
             return f"{node.name} has symbolic sizes (a rolled loop is compiled for fixed ones)"
+        if _complex(_example(node)):
+            return f"{node.name} is complex (PyTorch's scan differentiates real values only)"
         if node.op in ("call_module", "get_attr"):
             return f"it calls {node.op} {node.target}"
         if (name.endswith("_") and not name.endswith("__")) or name in ("setitem", "copy_", "_set_grad_enabled"):
@@ -196,6 +200,12 @@ def _symbolic(value: Any) -> bool:
     if isinstance(value, (list, tuple)):
         return any(_symbolic(v) for v in value)
     return isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool))
+
+
+def _complex(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return value.dtype.is_complex
+    return isinstance(value, (list, tuple)) and any(_complex(v) for v in value)
 
 
 def _dropout_active(node: torch.fx.Node) -> bool:
@@ -325,7 +335,7 @@ def _rewrite(gm: torch.fx.GraphModule, plan: _Plan, name: str) -> None:
             node.meta["example_value"] = _stacked_example(examples)
             stacked.append(node)
         body_node = graph.get_attr(name)
-        inits = [first.inputs[k] for k, _ in plan.carries]
+        inits = [_own(graph, first.inputs[k]) for k, _ in plan.carries]
         shared = [first.inputs[k] for k in plan.shared]
         scan = graph.call_function(torch.ops.higher_order.scan, (body_node, inits, stacked, shared))
         outs = [_stacked_example([_example(layer.nodes[local]) for layer in plan.layers])
@@ -348,6 +358,10 @@ def _rewrite(gm: torch.fx.GraphModule, plan: _Plan, name: str) -> None:
     run_nodes = set().union(*(set(layer.nodes) for layer in plan.layers))
     for node, piece in pieces.items():
         node.replace_all_uses_with(piece, delete_user_cb=lambda user: user not in run_nodes)
+    trace = first.nodes[0].meta.get("stack_trace")  # the new ops point at the first layer's call site
+    if trace:
+        for node in [*stacked, scan, *results, *pieces.values()]:
+            node.meta["stack_trace"] = trace
     members = set(last.nodes)
     for (_, source), result in zip(plan.carries, results, strict=True):
         node = last.nodes[source]
@@ -355,6 +369,16 @@ def _rewrite(gm: torch.fx.GraphModule, plan: _Plan, name: str) -> None:
     for layer in reversed(plan.layers):
         for node in reversed(layer.nodes):
             graph.erase_node(node)
+
+
+def _own(graph: torch.fx.Graph, value: torch.fx.Node) -> torch.fx.Node:
+    """``value``, copied when it is a graph input: PyTorch's scan refuses a carry that starts as one (it may
+    alias the loop's outputs)."""
+    if value.op != "placeholder":
+        return value
+    copy = graph.call_function(torch.clone, (value,))
+    copy.meta["example_value"] = _example(value)
+    return copy
 
 
 def _stacked_example(examples: list[Any]) -> Any:
@@ -386,6 +410,16 @@ def _body(gm: torch.fx.GraphModule, plan: _Plan) -> torch.fx.GraphModule:
             env[source] = placeholder
     for node in layer.nodes:
         env[node] = graph.node_copy(node, lambda n: env[n])
-    graph.output([env[layer.nodes[source]] for _, source in plan.carries]
-                 + [env[layer.nodes[local]] for local in plan.stacked_out])
+    # PyTorch's scan returns the values its backward reads as more outputs, and refuses a loop whose outputs
+    # are the same tensor twice: a stacked output (a key kept for the cache and saved) is a copy of its own,
+    # and so is a carry whose op's gradient reads its result (a tanh), but not a residual sum's
+    def own(local: int, always: bool) -> torch.fx.Node:
+        node = env[layer.nodes[local]]
+        if not always and node.target in _SUMS:
+            return node
+        copy = graph.call_function(torch.clone, (node,))
+        copy.meta["example_value"] = _example(layer.nodes[local])
+        return copy
+
+    graph.output([own(source, False) for _, source in plan.carries] + [own(local, True) for local in plan.stacked_out])
     return torch.fx.GraphModule(gm, graph)
