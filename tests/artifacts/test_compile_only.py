@@ -292,3 +292,34 @@ def test_a_compile_only_run_is_dumped_with_its_step_report(tmp_path):
     summary = format_summary(infos)
     assert f"{TARGET}: one step per chip" in summary
     assert f"activation budget of {graph}: 1, chosen: the step's estimated peak" in summary, summary
+
+
+def test_a_rolled_step_counts_its_loop_s_flops_per_iteration(tmp_path):
+    """XLA's cost analysis counts a loop's body once: the compile report adds the later iterations' products,
+    so a rolled step's flops match the unrolled step's, and the step report gives no roofline from bytes that
+    still count the body once."""
+    from tpucompile.debug import reader, recorder
+    from tpucompile.debug.report import step_reports
+
+    flops = {}
+    for roll in (True, False):
+        torch._dynamo.reset()
+        with torch.device("meta"):
+            net = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(),
+                                                            torch.nn.Linear(512, 256)) for _ in range(6)])
+        events, remove = _events()
+        recorder.start(tmp_path / f"dump-{roll}")
+        try:
+            out = torch.compile(net, backend="tpucompile", options={
+                "targets": [TARGET], "cache_mode": "off", "roll_layers": roll})(
+                torch.randn(64, 256, device="meta", requires_grad=True))  # so both backwards make its gradient
+            out.sum().backward()
+        finally:
+            recorder.stop()
+            remove()
+        flops[roll] = {e.name.rsplit("(", 1)[-1]: e.report["flops"] for e in events}
+        assert any(e.report.get("loop_flops_added") for e in events) == roll
+        report = step_reports(reader.read_dump(tmp_path / f"dump-{roll}"))[TARGET]
+        assert report["rolled_loops"] == roll and (report["roofline_step_seconds"] is None) == roll
+    for role, unrolled in flops[False].items():
+        assert abs(flops[True][role] / unrolled - 1) <= 0.02, (role, flops)

@@ -140,6 +140,7 @@ def _program_metadata(program: LoweredProgram, program_sha256: str) -> dict[str,
         "input_aliases": list(program.input_aliases),
         "donated_kinds": sorted(program.donated_kinds),
         "runtime_sizes": list(program.runtime_sizes),
+        "repeated_flops": program.repeated_flops,
     }
 
 
@@ -159,4 +160,5 @@ def _program_from_entry(entry: Entry) -> LoweredProgram:
         input_aliases=[None if a is None else int(a) for a in meta.get("input_aliases", [])],
         donated_kinds=frozenset(str(k) for k in meta.get("donated_kinds", [])),
         runtime_sizes=tuple(str(k) for k in meta.get("runtime_sizes", [])),
+        repeated_flops=float(meta.get("repeated_flops", 0.0)),
     )

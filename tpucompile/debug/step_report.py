@@ -71,6 +71,7 @@ def step_report(graphs: Sequence[dict[str, Any]], target: str) -> dict[str, Any]
         "estimated_step_seconds": seconds if complete else None,
         "estimated_by": sorted({how for _, how in estimates}),
         "flops_per_chip": flops,
+        "rolled_loops": any(g["report"].get("loop_flops_added") for g in compiled),
         "estimated_mfu": (flops / (seconds * generation.peak_bf16_flops)
                           if complete and seconds > 0 and generation else None),
         "roofline_step_seconds": bound if complete else None,
@@ -125,8 +126,11 @@ def _program_seconds(report: dict[str, Any], generation: Any) -> tuple[float | N
 def _roofline_seconds(report: dict[str, Any], generation: Any) -> float | None:
     """The roofline time of a program: its flops at the chip's peak or XLA's bytes accessed at the chip's HBM
     bandwidth, whichever is longer. Not a strict lower bound: XLA's bytes accessed adds up every instruction's
-    operands and results, including what stays on chip."""
+    operands and results, including what stays on chip. None for a program with a loop (rolled layers): XLA's
+    bytes count its body once."""
     if generation is None or report.get("flops") is None or report.get("bytes_accessed") is None:
+        return None
+    if report.get("loop_flops_added"):
         return None
     return max(report["flops"] / generation.peak_bf16_flops, report["bytes_accessed"] / generation.hbm_bytes_per_second)
 
@@ -170,6 +174,9 @@ def format_step_report(report: dict[str, Any]) -> str:
                      f"{report['roofline_mfu']:.0%}")
     lines.append("  (MFU: the programs' own flops per chip over the step time at the chip's peak; neither estimate "
                  "counts time on the chip interconnect)")
+    if report.get("rolled_loops"):
+        lines.append("  (rolled layers: a loop's body counted once per iteration in flops and cycles; no roofline, "
+                     "as XLA's bytes count the body once)")
     lines += [f"  {_budget_line(name, choice)}" for name, choice in report.get("activation_budgets", {}).items()]
     for name, error in report["failed"].items():
         lines.append(f"  {name}: {error}")

@@ -77,6 +77,9 @@ class LoweredProgram:
     runtime_sizes: tuple[str, ...] = ()
     """The size symbols whose actual values a bucketed program takes as ``i32`` arguments, in order (their
     input positions follow the graph's placeholders); empty for a program of static sizes."""
+    repeated_flops: float = 0.0
+    """The matrix products' flops of loop bodies' iterations after the first (``loops.product_flops``): XLA's
+    cost analysis counts a loop's body once, and compile reports add these to its flops."""
 
     def text(self, debug_info: bool = True) -> str:
         """StableHLO text; with ``debug_info`` it carries the user's source locations."""
@@ -126,6 +129,7 @@ class _GraphLowering:
         """The values of runtime size expressions, in a bucketed program."""
         self.env: dict[torch.fx.Node, Any] = {}
         self.random: RandomStream | None = None
+        self.repeated_flops = 0.0
         self.actual_sizes: dict[sympy.Symbol, Any] = {}
         """For each data-dependent size: the int64 scalar the program computes it into."""
 
@@ -225,6 +229,7 @@ class _GraphLowering:
             input_aliases=aliases if any(a is not None for a in aliases) else [],
             donated_kinds=self.donate,
             runtime_sizes=tuple(str(s) for s in size_symbols),
+            repeated_flops=self.repeated_flops,
         )
 
     def _result(self, node: torch.fx.Node) -> Any:
@@ -338,6 +343,7 @@ class _GraphLowering:
             if self.sizes is not None:
                 raise UnsupportedOpError(f"a rolled loop in a program with runtime sizes: "
                                          f"{diagnostics.describe_node(node)}")
+            self.repeated_flops += loops.repeated_flops(node)
             with _location(node):
                 return loops.lower_scan(node, self.env, self._lower_body)
         reason = unsupported_reason(node)

@@ -115,3 +115,34 @@ def _put(buffer: ir.Value, value: ir.Value, index: ir.Value) -> ir.Value:
     if dtype_of(value) != dtype_of(buffer):
         raise TypeError(f"a loop output of {dtype_of(value)} written into a {dtype_of(buffer)} stack")
     return hlo.dynamic_update_slice(buffer, reshape(value, [1, *shape[1:]]), [index] + [zero] * (len(shape) - 1))
+
+
+def repeated_flops(node: torch.fx.Node) -> float:
+    """The matrix-product flops of loop ``node``'s iterations after the first (its body's products, and those of
+    loops inside it, times the trip count less one)."""
+    _, _, xs, _, _, _ = loop_parts(node)
+    trips = int(xs[0].meta["val"].shape[0]) if xs else 1
+    return (trips - 1) * product_flops(body_of(node))
+
+
+def product_flops(body: torch.fx.GraphModule) -> float:
+    """The flops of the matrix products and convolutions one run of ``body`` makes (2 per multiply-add), with
+    the loops inside it counted per iteration."""
+    total = 0.0
+    for node in body.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target is torch.ops.higher_order.scan or getattr(node.target, "__name__", "") == "scan_in_reverse":
+            total += repeated_flops(node) + product_flops(body_of(node))
+            continue
+        packet = getattr(node.target, "overloadpacket", None)
+        result = node.meta.get("val")
+        if packet is None or not isinstance(result, torch.Tensor):
+            continue
+        if packet in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm, torch.ops.aten.baddbmm):
+            left = node.args[1 if packet in (torch.ops.aten.addmm, torch.ops.aten.baddbmm) else 0].meta["val"]
+            total += 2.0 * result.numel() * int(left.shape[-1])
+        elif packet is torch.ops.aten.convolution:
+            weight = node.args[1].meta["val"]
+            total += 2.0 * result.numel() * (weight.numel() // int(weight.shape[0]))
+    return total
