@@ -139,7 +139,9 @@ def ours(workload: tpu_workloads.TpuWorkload, mode: str, target: str, extra: dic
         if event.error is not None or event.executable is None:
             raise RuntimeError(f"{event.name} did not compile for {target}: {event.error}")
         role = event.name.rsplit("(", 1)[-1].rstrip(")") if "(" in event.name else event.name
-        programs.append(_program(role, event.executable))
+        program = _program(role, event.executable)
+        program.flops += event.program.repeated_flops  # XLA counts a loop's body once (rolled layers)
+        programs.append(program)
         saved = event.saved_for_backward()
         if saved is not None:
             activations += saved["activations"]
