@@ -57,6 +57,7 @@ class TargetExecutable:
 
 
 _CYCLES = re.compile(r'"estimated_cycles":"(\d+)"')
+_COMPUTATION_END = re.compile(r"\n\}[ \t]*(?:\n|$)")
 _LOOP = re.compile(r'= [^\n]*? while\([^\n]*?\bbody=%?(?P<body>[\w.\-]+)[^\n]*?op_name="'
                    + re.escape(TRIPS_PREFIX) + r'(?P<n>\d+)"')
 
@@ -85,8 +86,8 @@ def estimated_cycles(executable: Any) -> int | None:
 def _computation_cycles(text: str, start: int, repeat: int) -> tuple[int, bool]:
     """The cycle estimates of the computation whose header line starts at ``start`` (a newline), its loops'
     bodies counted per iteration."""
-    end = text.find("\n}", start)
-    end = end if end >= 0 else len(text)
+    closing = _COMPUTATION_END.search(text, start + 1)  # a bare "}" line: a Pallas kernel's multi-line
+    end = closing.start() if closing else len(text)  # metadata has lines that start with "}" inside it
     total, found = 0, False
     for match in _CYCLES.finditer(text, start, end):
         total, found = total + repeat * int(match[1]), True
