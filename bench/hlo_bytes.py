@@ -113,35 +113,23 @@ def _traffic(hlo_text: str, lines: list[str], repeat: int) -> list[Traffic]:
     return rows
 
 
-def _computation_lines(hlo_text: str, name: str) -> list[str]:
-    """The instructions of the computation ``name`` (a loop's body), one string each."""
-    lines: list[str] = []
-    inside = False
-    for line in hlo_text.splitlines():
-        if not inside:
-            header = _COMPUTATION.match(line)
-            inside = header is not None and header["name"] == name
-            continue
-        if line.rstrip() == "}":
-            break
-        if _INSTRUCTION_START.match(line) or not lines:
-            lines.append(line)
-        else:
-            lines[-1] += " " + line.strip()
-    return lines
-
-
 def _entry_lines(hlo_text: str) -> list[str]:
-    """The entry computation's instructions, one string each: an instruction's attributes may hold newlines
-    (a Pallas kernel's custom call carries JSON metadata over several lines, some starting with "}"), so a
-    line that does not start an instruction continues the one before, and only a bare "}" ends the entry."""
+    """The entry computation's instructions, one string each (``_computation_lines``)."""
+    return _computation_lines(hlo_text, None)
+
+
+def _computation_lines(hlo_text: str, name: str | None) -> list[str]:
+    """The instructions of the computation ``name`` (a loop's body; None: the entry), one string each: an
+    instruction's attributes may hold newlines (a Pallas kernel's custom call carries JSON metadata over
+    several lines, some starting with "}"), so a line that does not start an instruction continues the one
+    before, and only a bare "}" ends the computation."""
     lines: list[str] = []
     inside = False
     for line in hlo_text.splitlines():
-        if line.startswith("ENTRY "):
-            inside = True
-            continue
         if not inside:
+            header = _COMPUTATION.match(line) if name is not None else None
+            inside = header is not None and header["name"] == name if name is not None else \
+                line.startswith("ENTRY ")
             continue
         if line.rstrip() == "}":
             break

@@ -86,3 +86,28 @@ def test_small_gpt_training_step_on_the_kernel_route_costs_what_it_was_measured_
     assert programs[1].memory["peak"] <= 1.03 * 25_378_304
     assert sum(p.bytes_accessed for p in programs) <= 1.10 * 179_652_608
     assert sum(p.bytes_accessed for p in programs) < sum(p.bytes_accessed for p in math_programs)
+
+
+def test_a_loop_s_body_counts_once_per_iteration():
+    """A rolled loop's body instructions appear with their bytes and cycles times the trip count its
+    ``op_name`` carries; a kernel's multi-line metadata inside the entry does not end it."""
+    import hlo_bytes
+
+    text = """HloModule m
+
+%body.1 (p: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %p = (s32[], f32[8]) parameter(0)
+  %f = f32[8] fusion(f32[8] %x), kind=kLoop, calls=%c, backend_config={"estimated_cycles":"7"}
+  ROOT %t = (s32[], f32[8]) tuple(%p, %f)
+}
+
+ENTRY %main.2 (a: f32[8]) -> f32[8] {
+  %k = f32[8] custom-call(f32[8] %a), custom_call_target="tpu_custom_call", backend_config={"meta":{"a": 1
+}, "estimated_cycles":"100"}
+  %w = (s32[], f32[8]) while((s32[], f32[8]) %t0), condition=%c, body=%body.1, metadata={op_name="rolled loop x16"}
+  ROOT %g = f32[8] fusion(f32[8] %k), kind=kLoop, calls=%y, backend_config={"estimated_cycles":"50"}
+}
+"""
+    rows = {row.name: row for row in hlo_bytes.entry_traffic(text)}
+    assert set(rows) == {"k", "g", "f x16"}, rows
+    assert rows["f x16"].cycles == 16 * 7 and rows["f x16"].read == 16 * 32 and rows["g"].cycles == 50
