@@ -22,7 +22,7 @@ import torch.fx
 from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import stablehlo as hlo
 
-from tpucompile.contracts.loop_ops import TRIPS_PREFIX, body_of, loop_parts
+from tpucompile.contracts.loop_ops import TRIPS_PREFIX, body_of, is_loop, loop_parts
 from tpucompile.lowering import jax_bridge
 from tpucompile.lowering.builder.constants import constant
 from tpucompile.lowering.builder.dtypes import dtype_of
@@ -130,12 +130,10 @@ def product_flops(body: torch.fx.GraphModule) -> float:
     the loops inside it counted per iteration."""
     total = 0.0
     for node in body.graph.nodes:
-        if node.op != "call_function":
-            continue
-        if node.target is torch.ops.higher_order.scan or getattr(node.target, "__name__", "") == "scan_in_reverse":
+        if is_loop(node):
             total += repeated_flops(node) + product_flops(body_of(node))
             continue
-        packet = getattr(node.target, "overloadpacket", None)
+        packet = getattr(node.target, "overloadpacket", None) if node.op == "call_function" else None
         result = node.meta.get("val")
         if packet is None or not isinstance(result, torch.Tensor):
             continue
