@@ -128,3 +128,28 @@ def test_a_value_without_a_gradient_leaving_each_layer_keeps_the_run_unrolled():
     tokens = torch.randint(0, 64, (1, 6))
     torch.compile(model, backend=backend)(input_ids=tokens).logits.sum().backward()
     assert notes and notes[0].startswith("unrolled") and "without a gradient" in notes[0], notes
+
+
+class OtherBlock(Block):
+    def forward(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(self.norm(x))) * scale)
+
+
+class TwoStacks(nn.Module):
+    """Two module lists, the second reading the first's last layer directly."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.ModuleList([Block() for _ in range(3)])
+        self.second = nn.ModuleList([OtherBlock() for _ in range(3)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = torch.ones(x.shape[-1] * 2) * 0.5
+        for block in [*self.first, *self.second]:
+            x = block(x, scale)
+        return x.sum()
+
+
+def test_a_run_that_reads_a_rolled_run_directly_rolls_too(x):
+    notes = _check_same(TwoStacks(), x)
+    assert [n.split(": ")[0] for n in notes] == ["rolled L['self'].first[0:3]", "rolled L['self'].second[0:3]"], notes

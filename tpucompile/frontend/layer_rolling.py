@@ -96,7 +96,9 @@ def roll_repeated_layers(gm: torch.fx.GraphModule) -> list[str]:
             if isinstance(plan, str):
                 notes.append(f"unrolled {span}: {plan}")
                 continue
-            _rewrite(gm, plan, f"rolled_layers_{rolled}")
+            replaced = _rewrite(gm, plan, f"rolled_layers_{rolled}")
+            for layer in layers:  # a later run may read this one's values, which now come out of the loop
+                layer.inputs = [replaced.get(value, value) for value in layer.inputs]
             rolled += 1
             notes.append(f"rolled {span}: {len(run)} layers, {len(plan.stacked)} stacked inputs, "
                          f"{len(plan.carries)} carried, {len(plan.shared)} shared, {len(plan.stacked_out)} "
@@ -320,8 +322,9 @@ def _example(node: torch.fx.Node) -> Any:
     return node.meta.get("example_value", node.meta.get("val"))
 
 
-def _rewrite(gm: torch.fx.GraphModule, plan: _Plan, name: str) -> None:
-    """Replace the run's nodes with ``scan(body, carries, stacked parameters, shared inputs)``."""
+def _rewrite(gm: torch.fx.GraphModule, plan: _Plan, name: str) -> dict[torch.fx.Node, torch.fx.Node]:
+    """Replace the run's nodes with ``scan(body, carries, stacked parameters, shared inputs)``; returns the nodes
+    that now stand for the run's values read after it (its last carries, its layers' stacked outputs)."""
     first, last = plan.layers[0], plan.layers[-1]
     body = _body(gm, plan)
     gm.add_submodule(name, body)
@@ -369,6 +372,8 @@ def _rewrite(gm: torch.fx.GraphModule, plan: _Plan, name: str) -> None:
     for layer in reversed(plan.layers):
         for node in reversed(layer.nodes):
             graph.erase_node(node)
+    return {**pieces, **{last.nodes[source]: result for (_, source), result in zip(plan.carries, results,
+                                                                                      strict=True)}}
 
 
 def _own(graph: torch.fx.Graph, value: torch.fx.Node) -> torch.fx.Node:
