@@ -28,7 +28,6 @@ from tpucompile.driver import compile_graph, decompositions_for, record_graph, r
 from tpucompile.driver.host_kernel_upgrades import compiling
 from tpucompile.errors import OptionsError, TpuCompileWarning
 from tpucompile.frontend import (
-    ROLLING_KEY,
     USES_KEY,
     fitting_partition,
     graph_input_uses,
@@ -60,34 +59,21 @@ def tpucompile_backend(
         record_graph(f"graph {index}", "fx_rewrite_attention", gm)
     if rewrite_interpolation(gm):
         record_graph(f"graph {index}", "fx_rewrite_interpolation", gm)
-    unrolled = None
+    rolling = None
     if roll_layers_for(config.roll_layers, targets.platforms, config.mesh, config.activation_memory_budget):
-        unrolled = _graph_copy(gm)
-        if roll_repeated_layers(gm):
+        rolling = roll_repeated_layers(gm)
+        if rolling.notes:
             record_graph(f"graph {index}", "fx_roll_layers", gm)
-        if not any(note.startswith("rolled") for note in gm.meta.get(ROLLING_KEY, ())):
-            unrolled = None
-    if unrolled is None:
+    if rolling is None or rolling.unrolled is None:
         return _compile_graph(gm, example_inputs, config, targets, index)
     try:
         return _compile_graph(gm, example_inputs, config, targets, index)
     except Exception as error:  # e.g. PyTorch cannot differentiate the loop: the layers as Dynamo traced them
-        compiled = _compile_graph(unrolled, example_inputs, config, targets, index)
+        compiled = _compile_graph(rolling.unrolled, example_inputs, config, targets, index)
         warnings.warn(f"tpucompile compiled graph {index} with its layers unrolled: rolled into a loop it failed "
                       f"({type(error).__name__}: {(str(error).splitlines() or [''])[0][:300]})",
                       TpuCompileWarning, stacklevel=2)
         return compiled
-
-
-def _graph_copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """A copy of ``gm``'s graph (its nodes' meta shared) over the same module, which rewrites of ``gm`` leave
-    as it is."""
-    graph = torch.fx.Graph()
-    graph._codegen = gm.graph._codegen
-    graph.output(graph.graph_copy(gm.graph, {}))
-    copy = torch.fx.GraphModule(gm, graph)
-    copy.meta.update(gm.meta)
-    return copy
 
 
 def _compile_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], config: Options, targets: Any,

@@ -47,8 +47,10 @@ def _rolled(model: nn.Module, x: torch.Tensor) -> tuple[list[str], torch.Tensor,
     notes: list[str] = []
 
     def backend(gm: torch.fx.GraphModule, example_inputs: list) -> object:
-        notes.extend(roll_repeated_layers(gm))
+        notes.extend(roll_repeated_layers(gm).notes)
         assert gm.meta[ROLLING_KEY] == notes
+        loops = sum(n.target is torch.ops.higher_order.scan for n in gm.graph.nodes)
+        assert loops == sum(n.startswith("rolled") for n in notes), (loops, notes)  # a loop per run rolled
         return gm.forward
 
     torch._dynamo.reset()
@@ -122,7 +124,7 @@ def test_a_value_without_a_gradient_leaving_each_layer_keeps_the_run_unrolled():
     notes: list[str] = []
 
     def backend(gm: torch.fx.GraphModule, example_inputs: list) -> object:
-        notes.extend(roll_repeated_layers(gm))
+        notes.extend(roll_repeated_layers(gm).notes)
         return gm.forward
 
     tokens = torch.randint(0, 64, (1, 6))
@@ -153,3 +155,19 @@ class TwoStacks(nn.Module):
 def test_a_run_that_reads_a_rolled_run_directly_rolls_too(x):
     notes = _check_same(TwoStacks(), x)
     assert [n.split(": ")[0] for n in notes] == ["rolled L['self'].first[0:3]", "rolled L['self'].second[0:3]"], notes
+
+
+def test_a_rewrite_that_fails_half_way_leaves_the_graph_as_it_was(x, monkeypatch):
+    from tpucompile.frontend import layer_rolling
+
+    rewrite, calls = layer_rolling._rewrite, []
+
+    def second_fails(gm, plan, name):
+        calls.append(name)
+        if len(calls) == 2:
+            raise RuntimeError("a rewrite this test breaks")
+        return rewrite(gm, plan, name)
+
+    monkeypatch.setattr(layer_rolling, "_rewrite", second_fails)
+    notes = _check_same(TwoStacks(), x)
+    assert len(calls) == 2 and notes == ["unrolled: rolling failed (RuntimeError: a rewrite this test breaks)"], notes

@@ -27,6 +27,7 @@ are identical.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import operator
 import re
 from collections.abc import Iterable
@@ -76,38 +77,65 @@ class _Plan:
     state kept for the output): returned stacked by the loop, each layer's read back by index."""
 
 
-def roll_repeated_layers(gm: torch.fx.GraphModule) -> list[str]:
-    """Rewrite each run of at least ``MIN_RUN`` identical layers of ``gm`` into one scan; returns (and records in
-    ``gm.meta[ROLLING_KEY]``) one line per run rolled or left unrolled, with why."""
+@dataclasses.dataclass(frozen=True)
+class Rolling:
+    """What ``roll_repeated_layers`` did to a graph."""
+
+    notes: list[str]
+    """One line per run rolled or left unrolled, with why (also in the graph's meta, ``ROLLING_KEY``)."""
+    unrolled: torch.fx.GraphModule | None
+    """The graph as it was before its first run was rolled, for a compile that cannot take the loop; None when
+    nothing was rolled (the graph is as it was)."""
+
+
+def roll_repeated_layers(gm: torch.fx.GraphModule) -> Rolling:
+    """Rewrite each run of at least ``MIN_RUN`` identical layers of ``gm`` into one scan. A failure of the
+    rewrite itself leaves ``gm`` as it was, with the reason among the notes."""
     notes: list[str] = []
-    layers = _layers(gm)
-    by_prefix: dict[str, list[_Layer]] = {}
-    for layer in layers:
-        by_prefix.setdefault(layer.prefix, []).append(layer)
+    unrolled = None
     rolled = 0
-    for prefix, group in by_prefix.items():
-        group.sort(key=lambda layer: layer.index)
-        for run, reason in _runs(group):
-            span = f"{prefix}[{run[0].index}:{run[-1].index + 1}]"
-            if reason is not None:
-                notes.append(f"unrolled {span}: {reason}")
-                continue
-            plan = _plan(run)
-            if isinstance(plan, str):
-                notes.append(f"unrolled {span}: {plan}")
-                continue
-            replaced = _rewrite(gm, plan, f"rolled_layers_{rolled}")
-            for layer in layers:  # a later run may read this one's values, which now come out of the loop
-                layer.inputs = [replaced.get(value, value) for value in layer.inputs]
-            rolled += 1
-            notes.append(f"rolled {span}: {len(run)} layers, {len(plan.stacked)} stacked inputs, "
-                         f"{len(plan.carries)} carried, {len(plan.shared)} shared, {len(plan.stacked_out)} "
-                         "stacked outputs")
-    if rolled:
+    try:
+        layers = _layers(gm)
+        by_prefix: dict[str, list[_Layer]] = {}
+        for layer in layers:
+            by_prefix.setdefault(layer.prefix, []).append(layer)
+        for prefix, group in by_prefix.items():
+            group.sort(key=lambda layer: layer.index)
+            for run, reason in _runs(group):
+                span = f"{prefix}[{run[0].index}:{run[-1].index + 1}]"
+                plan = _plan(run) if reason is None else reason
+                if isinstance(plan, str):
+                    notes.append(f"unrolled {span}: {plan}")
+                    continue
+                if unrolled is None:
+                    unrolled = _graph_copy(gm)
+                replaced = _rewrite(gm, plan, f"rolled_layers_{rolled}")
+                rolled += 1
+                for layer in layers:  # a later run may read this one's values, which now come out of the loop
+                    layer.inputs = [replaced.get(value, value) for value in layer.inputs]
+                notes.append(f"rolled {span}: {len(run)} layers, {len(plan.stacked)} stacked inputs, "
+                             f"{len(plan.carries)} carried, {len(plan.shared)} shared, {len(plan.stacked_out)} "
+                             "stacked outputs")
+    except Exception as error:  # never a failed compile: the layers as Dynamo traced them
+        if unrolled is not None:
+            gm.graph = unrolled.graph
+        notes, unrolled = [f"unrolled: rolling failed ({type(error).__name__}: {error})"], None
+    if unrolled is not None:
         gm.graph.lint()
         gm.recompile()
     gm.meta[ROLLING_KEY] = notes
-    return notes
+    return Rolling(notes, unrolled)
+
+
+def _graph_copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy of ``gm``'s graph (its nodes' meta shared) over the same module, which rewrites of ``gm`` leave
+    as it is."""
+    graph = torch.fx.Graph()
+    graph._codegen = gm.graph._codegen
+    graph.output(graph.graph_copy(gm.graph, {}))
+    copy = torch.fx.GraphModule(gm, graph)
+    copy.meta.update(gm.meta)
+    return copy
 
 
 def _layer_key(node: torch.fx.Node) -> tuple[str, int, Any] | None:
@@ -175,9 +203,7 @@ def _closed(run: list[_Layer], why_split: str) -> Iterable[tuple[list[_Layer], s
 
 def _unrollable(layer: _Layer) -> str | None:
     """Why a layer cannot be an iteration of a loop, else None."""
-    order = {node: k for k, node in enumerate(layer.nodes[0].graph.nodes)}
-    first, last = order[layer.nodes[0]], order[layer.nodes[-1]]
-    if last - first + 1 != len(layer.nodes):
+    if any(node.next is not following for node, following in itertools.pairwise(layer.nodes)):
         return "its ops are interleaved with others'"
     for node in layer.nodes:
         name = _name(node)
