@@ -73,8 +73,8 @@ def compile_for_target(
                              error=error)
     report = compiled.report()
     if program.repeated_flops and report.get("flops") is not None:  # XLA counts a loop's body once
-        report["flops"] += program.repeated_flops / max(len(target.devices), 1)
-        report["loop_flops_added"] = program.repeated_flops / max(len(target.devices), 1)
+        report["loop_flops_added"] = program.repeated_flops / max(len(target.devices), 1)  # per chip
+        report["flops"] += report["loop_flops_added"]
     if options.mesh is not None and len(target.devices) > 1:
         shapes = [tuple(spec.shape) for spec in program.result_specs]
         dims = result_layouts(compiled.executable.get_output_shardings(), shapes, options.mesh.axes)
