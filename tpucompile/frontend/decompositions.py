@@ -17,6 +17,7 @@ import torch
 from torch._decomp import core_aten_decompositions, get_decompositions
 
 from tpucompile.frontend import traced_implementations
+from tpucompile.frontend.foreach_ops import foreach_decompositions
 from tpucompile.frontend.fractional_pooling import fractional_pooling_decompositions
 from tpucompile.frontend.fused_attention import fused_attention_decompositions
 from tpucompile.frontend.fused_layers import fused_layer_decompositions
@@ -271,4 +272,5 @@ def _table(fma: torch._ops.OpOverload | None, traced: tuple[tuple[str, str], ...
     table.update(fused_attention_decompositions(attention_kernel))
     table.update(fused_layer_decompositions())
     table.update(fractional_pooling_decompositions())
+    table.update(foreach_decompositions())
     return table
