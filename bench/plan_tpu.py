@@ -37,9 +37,10 @@ from tpucompile.runtime.host_memory import limit_heap_arenas
 SHAPES = {
     "8b": dict(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, hidden_dim=14336),
     "70b": dict(vocab_size=128256, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, hidden_dim=28672),
+    "405b": dict(vocab_size=128256, dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, hidden_dim=53248),
     "tiny": dict(vocab_size=32000, dim=512, n_layers=2, n_heads=8, n_kv_heads=4, hidden_dim=1408),
 }
-"""Llama 3 8B and 70B as their configs give them; ``tiny`` for a quick try."""
+"""Llama 3 8B, 70B and 405B as their configs give them; ``tiny`` for a quick try."""
 
 COLUMN = ["layers.*.attention.wq", "layers.*.attention.wk", "layers.*.attention.wv", "layers.*.feed_forward.w1",
           "layers.*.feed_forward.w3"]

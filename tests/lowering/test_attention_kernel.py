@@ -6,6 +6,7 @@ TPU target."""
 from __future__ import annotations
 
 import importlib.util
+import re
 
 import pytest
 import torch
@@ -250,3 +251,48 @@ def test_whole_step_under_torch_func_takes_the_kernel_and_matches_eager(aten_ops
     torch.testing.assert_close(actual[1], expected[1], atol=1e-5, rtol=1e-5)
     for name in params:
         torch.testing.assert_close(actual[0][name], expected[0][name], atol=1e-5, rtol=1e-4)
+
+
+def test_a_mesh_splits_the_kernel_over_batch_rows_and_key_value_heads():
+    """Where a sharded program runs the kernel: data-like axes on the batch, "model" on the key/value heads,
+    each where it divides what is left, else nowhere."""
+    from tpucompile.lowering.rules.attention import split_axes
+
+    assert split_axes((("data", 64),), 64, 8) == (("data",), ())
+    assert split_axes((("data", 16), ("model", 4)), 16, 8) == (("data",), ("model",))
+    assert split_axes((("data", 4), ("model", 4)), 64, 2) == (("data", "model"), ())  # 2 heads: model on batch
+    assert split_axes((("model", 8),), 8, 8) == ((), ("model",))
+    assert split_axes((("data", 8),), 2, 4) == ((), ())  # divides neither: every device the whole call
+    assert split_axes((("fsdp", 2), ("data", 4)), 16, 8) == (("fsdp", "data"), ())
+
+
+@needs_libtpu
+def test_a_sharded_tpu_program_runs_the_kernel_on_each_chips_block():
+    """Planned for 4 chips with the batch split over them (meta tensors: nothing runs here), the kernel call
+    in the forward and backward takes one chip's batch row, and no collective moves the query, key or value:
+    without the manual computation XLA gathers all four rows onto every chip and runs them all there."""
+    from tpucompile import Mesh, data_parallel
+
+    mesh = Mesh({"data": 4})
+    events = []
+    remove = driver.add_observer(events.append)
+    try:
+        q, k, v = (torch.empty(s, dtype=torch.bfloat16, device="meta").requires_grad_()
+                   for s in [(4, 8, 256, 128), (4, 2, 256, 128), (4, 2, 256, 128)])
+        fn = torch.compile(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
+                           backend="tpucompile", options={"targets": ["tpu:v5e:2x2"], "mesh": mesh,
+                                                          "shard": data_parallel(mesh), "cache_mode": "off"})
+        fn(q, k, v).float().square().sum().backward()
+    finally:
+        remove()
+    on_tpu = [e for e in events if e.target == "tpu:v5e:2x2" and e.error is None]
+    assert len(on_tpu) == 2, [(e.name, e.target, e.error) for e in events]
+    for event in on_tpu:
+        assert "sdy.manual_computation" in event.program.text()
+        lines = [line for m in event.executable.hlo_modules() for line in m.to_string().splitlines()]
+        calls = [line for line in lines if "tpu_custom_call" in line and "%tpucompile.attention" in line]
+        # the grouped query block per call: (key/value heads, group, length, head size) of one batch row
+        assert calls and all("bf16[2,4,256,128]" in line and "[4,2,4,256,128]" not in line for line in calls), calls
+        gathered = [line for line in lines if re.search(r"= \S+ all-(gather|reduce)\(", line)]
+        if event.name.endswith("(forward)"):  # only the output, which comes back whole
+            assert len(gathered) == 1 and "bf16[4,8,256,128]" in gathered[0], gathered

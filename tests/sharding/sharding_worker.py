@@ -6,6 +6,7 @@ device count must be set before jax starts); each prints one JSON line.
     python sharding_worker.py host ID PORT DIR [PLAN]  # one of 2 processes x 4 devices sharing a mesh
                                                   # (PLAN: dp_tp, the default, or fsdp)
     python sharding_worker.py dtensor ID PORT DIR # one of 2 processes (torch ranks) x 1 device: DTensor inputs
+    python sharding_worker.py attention           # 8 devices: the attention kernel (interpret mode) per shard
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import os
 import sys
 import time
 
-DEVICES = {"gpt": 8, "host": 4, "dtensor": 1}[sys.argv[1]]
+DEVICES = {"gpt": 8, "host": 4, "dtensor": 1, "attention": 8}[sys.argv[1]]
 os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={DEVICES}"
 
 import torch  # noqa: E402
@@ -364,9 +365,71 @@ def dtensor(rank: int, port: int, cache_dir: str) -> None:
     dist.destroy_process_group()
 
 
+def attention_kernel() -> None:
+    """Grouped-query causal attention with a padding mask through the splash kernel (Pallas' interpret mode,
+    so it runs here) on meshes that split the batch, the heads, both, or neither (a batch of 2 on 8 devices),
+    against the same on one device and eager: output and gradients of query, key and value, and how each
+    program splits the kernel's operands."""
+    import torch.nn.functional as F
+
+    def attend(q, k, v, valid, weights):
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=valid[:, None, None, :], is_causal=False,
+                                             enable_gqa=True)
+        return (out.float() * weights).sum()
+
+    def inputs(batch: int) -> list[torch.Tensor]:
+        generator = torch.Generator().manual_seed(2)
+        q = torch.randn(batch, 8, 128, 128, generator=generator)
+        k, v = (torch.randn(batch, 4, 128, 128, generator=generator) for _ in range(2))
+        valid = torch.ones(batch, 128, dtype=torch.bool)
+        valid[0, 100:] = False  # a padded row
+        return [q, k, v, valid, torch.randn(batch, 8, 128, 128, generator=generator)]
+
+    def run(batch: int, options: dict) -> dict:
+        torch._dynamo.reset()
+        tensors = [t.clone().requires_grad_(t.is_floating_point() and i < 3) for i, t in enumerate(inputs(batch))]
+        events: list = []
+        remove = driver.add_observer(events.append)
+        try:
+            fn = attend if options is None else torch.compile(attend, backend="tpucompile", fullgraph=True,
+                                                                 options={"attention": "interpret", **options})
+            loss = fn(*tensors)
+            loss.backward()
+        finally:
+            remove()
+        texts = [e.program.text() for e in events]
+        return {"values": [loss.detach()] + [t.grad for t in tensors[:3]],
+                "manual": [text.count("sdy.manual_computation") for text in texts],
+                "kernel": [("splash_interpreted" in text) for text in texts],
+                "local_query": [_local_query_shape(text) for text in texts]}
+
+    report = {}
+    for name, batch, mesh in (("data", 8, Mesh({"data": 8})), ("heads", 8, Mesh({"model": 4})),
+                              ("both", 8, Mesh({"data": 2, "model": 4})), ("neither", 2, Mesh({"data": 8}))):
+        eager = run(batch, None)
+        single = run(batch, {})
+        sharded = run(batch, {"mesh": mesh, "shard": data_parallel(mesh) if "data" in mesh.axis_names else
+                              tpucompile.ShardPlan.from_mapping({}, mesh)})
+        report[name] = {"vs_single": max_diff(sharded["values"], single["values"]),
+                        "vs_eager": max_diff(sharded["values"], eager["values"]),
+                        **{k: sharded[k] for k in ("manual", "kernel", "local_query")}}
+    print(json.dumps(report))
+
+
+def _local_query_shape(text: str) -> list[int] | None:
+    """The query block the kernel function of a program is lowered for (its first argument's shape)."""
+    import re
+
+    found = re.search(r"func\.func private @jax_attention[a-z_]*_splash_interpreted_[0-9a-f]+\(%arg0: "
+                      r"tensor<([0-9x]+)x[a-z0-9]+>", text)
+    return None if found is None else [int(n) for n in found.group(1).split("x")]
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "gpt":
         gpt()
+    elif sys.argv[1] == "attention":
+        attention_kernel()
     elif sys.argv[1] == "host":
         host(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], *sys.argv[5:])
     else:

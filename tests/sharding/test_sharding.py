@@ -377,6 +377,28 @@ def gpt_runs(tmp_path_factory):
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+@pytest.fixture(scope="module")
+def attention_runs(tmp_path_factory):
+    """The attention kernel (interpret mode) on 8 virtual CPU devices under four meshes, in a fresh process."""
+    tmp_path = tmp_path_factory.mktemp("attention")
+    result = python_processes.run([sys.executable, WORKER, "attention"], capture_output=True, text=True,
+                                  timeout=900, env=_environment(tmp_path), cwd=HERE)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("layout, local_query", [("data", [1, 8, 128, 128]), ("heads", [8, 2, 128, 128]),
+                                                 ("both", [4, 2, 128, 128]), ("neither", [2, 8, 128, 128])])
+def test_the_attention_kernel_runs_per_shard(attention_runs, layout, local_query):
+    """XLA's partitioner cannot split a Pallas kernel's custom call: each program runs the kernel inside a
+    manual computation on its device's block (batch rows over a data axis, key/value heads over "model",
+    whole where neither divides), forward and backward, with the values and gradients of one device."""
+    run = attention_runs[layout]
+    assert run["kernel"] == [True, True] and run["manual"] == [1, 1], run
+    assert run["local_query"] == [local_query, local_query], run
+    assert run["vs_single"] < 1e-4 and run["vs_eager"] < 1e-3, run
+
+
 @pytest.mark.slow  # its fixture is the sharding worker's minutes-long run
 def test_one_device_run_matches_eager(gpt_runs):
     single = gpt_runs["single"]["vs_eager"]

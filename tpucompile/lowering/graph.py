@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import sympy
@@ -201,7 +201,11 @@ class _GraphLowering:
             shardy_attributes.set_shardings(main.operation, arg_dims, [len(s.shape) for s in input_specs],
                                    result_dims, [len(s.shape) for s in result_specs])
 
-        aliases = self._input_aliases(tensor_inputs, outputs, unique_results, input_specs, result_specs)
+        laid_out_alike = _layout_check(mesh, [arg_shardings.get(node, ()) for _, node in tensor_inputs],
+                                       [shardy_attributes.annotation_dims(n) if shardy_attributes.is_annotation(n)
+                                        else None for n in unique_results])
+        aliases = self._input_aliases(tensor_inputs, outputs, unique_results, input_specs, result_specs,
+                                      laid_out_alike)
         if any(a is not None for a in aliases):
             set_input_aliases(main.operation, aliases)
 
@@ -255,12 +259,15 @@ class _GraphLowering:
     def _input_aliases(
         self, tensor_inputs: list[tuple[int, torch.fx.Node]], outputs: list[Any], unique_results: list[Any],
         input_specs: list[TensorSpec], result_specs: list[TensorSpec],
+        laid_out_alike: Callable[[int, int], bool] = lambda argument, result: True,
     ) -> list[int | None]:
         """The result each donated argument may be written into: an updated argument's new value, and for a
         saved value the first unclaimed result of its shape and dtype that the graph computes after the
         value's last read (as jax pairs ``donate_argnums`` by shape; a result born while the value is still
         read would make XLA copy the value first, trading memory traffic for nothing). A donated argument with
-        no such result is left alone: nothing could reuse its memory."""
+        no such result is left alone: nothing could reuse its memory. In a sharded program an argument and a
+        result pair only when they are split alike (``laid_out_alike``): each chip's blocks must be the same
+        size, and a result left to XLA's propagation has no known layout."""
         aliases: list[int | None] = [None] * len(input_specs)
         if not self.donate:
             return aliases
@@ -271,7 +278,7 @@ class _GraphLowering:
         for k, _, kind, mark in marks:
             if kind == UPDATED and kind in self.donate and mark < len(outputs) and outputs[mark] in unique_results:
                 result = unique_results.index(outputs[mark])
-                if result not in claimed and result_specs[result] == input_specs[k]:
+                if result not in claimed and result_specs[result] == input_specs[k] and laid_out_alike(k, result):
                     aliases[k] = result
                     claimed.add(result)
         for k, node, kind, _ in marks:
@@ -280,7 +287,7 @@ class _GraphLowering:
             last_read = max((order[user] for user in node.users if user.op != "output"), default=-1)
             result = next((r for r, result_node in enumerate(unique_results)
                            if r not in claimed and result_specs[r] == input_specs[k]
-                           and order[result_node] > last_read), None)
+                           and order[result_node] > last_read and laid_out_alike(k, r)), None)
             if result is not None:
                 aliases[k] = result
                 claimed.add(result)
@@ -624,3 +631,22 @@ def _verify(module: ir.Module) -> None:
     except ir.MLIRError as error:
         raise LoweringError(f"tpucompile built an invalid StableHLO module: {error}") from error
 
+
+
+def _layout_check(mesh: Any, argument_dims: list[Any], result_dims: list[Any]) -> Callable[[int, int], bool]:
+    """Whether argument ``k`` and result ``r`` of a program are split alike over its mesh (always, unsharded);
+    a result without an annotation is laid out by XLA's propagation, unknown here, so it matches nothing."""
+    if mesh is None:
+        return lambda argument, result: True
+
+    def padded(dims: Any, rank: int) -> tuple:
+        return tuple(tuple(d) for d in dims) + ((),) * (rank - len(dims))
+
+    def alike(argument: int, result: int) -> bool:
+        wanted = result_dims[result]
+        if wanted is None:
+            return False
+        rank = max(len(argument_dims[argument]), len(wanted))
+        return padded(argument_dims[argument], rank) == padded(wanted, rank)
+
+    return alike

@@ -186,7 +186,7 @@ def _spec_of_type(type_: ir.Type) -> TensorSpec:
     return TensorSpec(tuple(ranked.shape), torch_dtype_of(ranked.element_type))
 
 
-def _enclosing_module() -> ir.Operation:
+def enclosing_module() -> ir.Operation:
     """The ``builtin.module`` that holds the current insertion point."""
     op = ir.InsertionPoint.current.block.owner
     while op is not None and op.name != "builtin.module":
@@ -202,7 +202,7 @@ def _symbol(name: str) -> str:
 
 def _splice(key: _Key, text: str) -> func.FuncOp:
     """Move the functions of ``text`` into the enclosing module (once per key) and return the entry one."""
-    module = _enclosing_module()
+    module = enclosing_module()
     table = ir.SymbolTable(module)
     entry = f"jax_{_symbol(key.name)}_{key.digest()}"
     if entry in table:

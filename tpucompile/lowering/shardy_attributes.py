@@ -12,7 +12,7 @@ propagates shardings to everything in between and inserts the collectives.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch.fx
 from jax.extend.mlir import ir
@@ -98,6 +98,52 @@ def _sharding_constraint(ctx, value, sharding):
     _, dims = decode_sharding(sharding)
     rank = len(ir.RankedTensorType(value.type).shape)
     return sdy.ShardingConstraintOp(value, sharding_attribute(dims, rank)).result
+
+
+def module_mesh(module: ir.Operation) -> MeshAxes | None:
+    """The axes of ``module``'s ``sdy.mesh`` (a ``builtin.module`` operation), or None when it declares none."""
+    for op in module.regions[0].blocks[0].operations:
+        if op.operation.name == "sdy.mesh" and ir.StringAttr(op.operation.attributes["sym_name"]).value == MESH_NAME:
+            attr = sdy.MeshAttr(op.operation.attributes["mesh"])
+            return tuple((sdy.MeshAxisAttr(a).name, sdy.MeshAxisAttr(a).size) for a in attr.axes)
+    return None
+
+
+def per_shard(operands: Sequence[ir.Value], operand_dims: Sequence[Dims], result_types: Sequence[ir.Type],
+              result_dims: Sequence[Dims], mesh: MeshAxes,
+              body: Callable[[list[ir.Value]], Sequence[ir.Value]]) -> list[ir.Value]:
+    """``body`` on each device's shard, as ``sdy.manual_computation`` over every axis of ``mesh``: operand and
+    result ``i`` are split along their dimensions as ``*_dims[i]`` says (axes named on no dimension:
+    replicated), and ``body`` receives and returns the per-device blocks. For ops XLA's partitioner cannot
+    split itself (a Pallas kernel's custom call, which it would otherwise run on whole operands on every
+    device)."""
+    sizes = dict(mesh)
+
+    def local(type_: ir.Type, dims: Dims) -> ir.Type:
+        ranked = ir.RankedTensorType(type_)
+        shape = list(ranked.shape)
+        for dim, axes in enumerate(dims):
+            for axis in axes:
+                shape[dim] //= sizes[axis]
+        return ir.RankedTensorType.get(shape, ranked.element_type)
+
+    def shardings(dims: Sequence[Dims], types: Sequence[ir.Type]) -> ir.Attribute:
+        return sdy.TensorShardingPerValueAttr.get(
+            [sharding_attribute(d, len(ir.RankedTensorType(t).shape)) for d, t in zip(dims, types, strict=True)])
+
+    operand_types = [v.type for v in operands]
+    op = sdy.ManualComputationOp(list(result_types), list(operands), shardings(operand_dims, operand_types),
+                                 shardings(result_dims, result_types),
+                                 sdy.ManualAxesAttr.get([ir.StringAttr.get(name) for name, _ in mesh]))
+    block = op.body.blocks.append(*[local(t, d) for t, d in zip(operand_types, operand_dims, strict=True)])
+    with ir.InsertionPoint(block):
+        results = list(body(list(block.arguments)))
+        expected = [local(t, d) for t, d in zip(result_types, result_dims, strict=True)]
+        if [r.type for r in results] != expected:
+            raise LoweringError(f"a per-shard body returned {[str(r.type) for r in results]}, expected "
+                                f"{[str(t) for t in expected]}")
+        sdy.ReturnOp(results)
+    return list(op.results)
 
 
 def program_shardings(module: ir.Module) -> ProgramShardings | None:

@@ -25,12 +25,15 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 
 import torch
+from jax.extend.mlir import ir
 
 from tpucompile.contracts import attention_ops  # noqa: F401  (registers the ops)
-from tpucompile.lowering import jax_bridge
+from tpucompile.lowering import jax_bridge, shardy_attributes
 from tpucompile.lowering.registry import register_rule
+from tpucompile.lowering.types import spec_type
 
 BLOCKS = (512, 256, 128)
 """Tile sizes along the sequence, largest first: the largest that divides the length is used."""
@@ -50,17 +53,68 @@ def _attention_backward(ctx, grad_out, query, key, value, out, lse, kv_valid, le
 
 def _call(name, kernel_fn, math_fn, operands, ctx, left: int, right: int, scale: float):
     """``kernel_fn`` on a TPU (or, where kernels are interpreted, anywhere in Pallas' interpret mode),
-    ``math_fn`` elsewhere, as a call to a function lowered from jax."""
+    ``math_fn`` elsewhere, as a call to a function lowered from jax. In a sharded program the kernel runs
+    per shard (``_per_shard_call``)."""
     interpret = jax_bridge.interpreting_kernels()
     kernel = interpret or jax_bridge.current_platform() == "tpu"
     if kernel:
         fn = functools.partial(kernel_fn, left=left, right=right, scale=scale, interpret=interpret)
         name += "_splash_interpreted" if interpret else "_splash"
+        mesh = shardy_attributes.module_mesh(jax_bridge.enclosing_module())
+        if mesh is not None:
+            return _per_shard_call(name, fn, operands, ctx, mesh, (left, right, scale))
     else:
         fn = functools.partial(math_fn, left=left, right=right, scale=scale)
         name += "_math"
     return tuple(jax_bridge.call(name, fn, operands, list(ctx.avals_out), params=(left, right, scale),
                                  x64=not kernel))
+
+
+HEAD_AXES = ("model", "tensor")
+"""Mesh axes that split the heads first (the name ``tensor_parallel`` gives its axis: a column-parallel
+projection leaves each device its own heads); any other axis splits the batch first, as data parallelism
+and FSDP lay out activations."""
+
+
+def split_axes(mesh: tuple[tuple[str, int], ...], batch: int, kv_heads: int
+               ) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(axes splitting the batch, axes splitting the key/value heads) for a kernel call on ``mesh``: each axis,
+    in mesh order, goes where it divides what is left (a ``HEAD_AXES`` axis to the heads first, any other to
+    the batch first), else nowhere (the devices along it compute the same blocks). Splitting key/value heads
+    keeps each group of query heads with its key/value head."""
+    sizes = dict(mesh)
+    batch_axes: list[str] = []
+    head_axes: list[str] = []
+    for name, size in mesh:
+        room = {"batch": (batch, batch_axes), "heads": (kv_heads, head_axes)}
+        for where in (("heads", "batch") if name in HEAD_AXES else ("batch", "heads")):
+            extent, axes = room[where]
+            if extent % (size * math.prod(sizes[axis] for axis in axes)) == 0:
+                axes.append(name)
+                break
+    return tuple(batch_axes), tuple(head_axes)
+
+
+def _per_shard_call(name, fn, operands, ctx, mesh, params):
+    """The kernel on each device's block of batch rows and heads (``sdy.manual_computation``): XLA's
+    partitioner cannot split a Pallas kernel's custom call, and would otherwise gather every operand and run
+    the whole batch's attention on every device. Every operand and result is laid out ``(batch, heads, ...)``
+    except the padding mask ``kv_valid`` (``(batch, keys)``)."""
+    key = operands[2] if name.startswith("attention_backward") else operands[1]
+    batch, kv_heads = ir.RankedTensorType(key.type).shape[:2]
+    batch_axes, head_axes = split_axes(mesh, batch, kv_heads)
+
+    def dims(type_: ir.Type) -> tuple[tuple[str, ...], ...]:
+        """(batch, heads, ...) for the 3-d and 4-d operands and results; (batch, keys) for the padding mask."""
+        return (batch_axes,) if len(ir.RankedTensorType(type_).shape) == 2 else (batch_axes, head_axes)
+
+    result_types = [spec_type(spec) for spec in ctx.avals_out]
+
+    def body(blocks):
+        return jax_bridge.call(name, fn, blocks, None, params=params, x64=False)
+
+    return tuple(shardy_attributes.per_shard(operands, [dims(v.type) for v in operands], result_types,
+                                             [dims(t) for t in result_types], mesh, body))
 
 
 # --- the math form -----------------------------------------------------------------------------------------
