@@ -358,10 +358,16 @@ def _rewrite(gm: torch.fx.GraphModule, plan: _Plan, name: str) -> dict[torch.fx.
     with graph.inserting_before(first.nodes[0]):
         stacked = []
         for k in plan.stacked:
-            values = [layer.inputs[k] for layer in plan.layers]
-            node = graph.call_function(torch.stack, (values,))
-            examples = [_example(v) for v in values]
-            node.meta["example_value"] = _stacked_example(examples)
+            # Stacked as a concatenation of the layers' values, each with a new leading axis: its ATen form
+            # (unsqueeze, cat) keeps each device's block of a split parameter where it lies, where torch.stack's
+            # (a concatenation along the parameters' first axis, then a view) interleaves the devices' blocks.
+            rows = []
+            for value in [layer.inputs[k] for layer in plan.layers]:
+                row = graph.call_function(torch.unsqueeze, (value, 0))
+                row.meta["example_value"] = _example(value).unsqueeze(0)
+                rows.append(row)
+            node = graph.call_function(torch.cat, (rows, 0))
+            node.meta["example_value"] = _stacked_example([_example(layer.inputs[k]) for layer in plan.layers])
             stacked.append(node)
         body_node = graph.get_attr(name)
         inits = [_own(graph, first.inputs[k]) for k, _ in plan.carries]

@@ -28,9 +28,19 @@ from typing import Any
 import torch
 import torch.fx
 
+from tpucompile.contracts.loop_ops import is_loop, loop_parts
 from tpucompile.errors import TpuCompileWarning
 from tpucompile.sharding.names import module_outputs
-from tpucompile.sharding.plan import Dims, Mesh, ShardPlan, encode_sharding, format_dims, shard_annotation, spread_dims
+from tpucompile.sharding.plan import (
+    Dims,
+    Mesh,
+    ShardPlan,
+    decode_sharding,
+    encode_sharding,
+    format_dims,
+    shard_annotation,
+    spread_dims,
+)
 
 
 def annotate_shardings(gm: torch.fx.GraphModule, mesh: Mesh, plan: ShardPlan, processes: int = 1) -> None:
@@ -65,6 +75,8 @@ def annotate_shardings(gm: torch.fx.GraphModule, mesh: Mesh, plan: ShardPlan, pr
         insert_after = node
         placeholder.replace_all_uses_with(node, delete_user_cb=lambda user, n=node: user is not n
                                           and user.op != "output")
+    if not backward:
+        _keep_stacked_parameters_split(graph, mesh)
     if plan.bound_activations and not backward:
         outputs_of = module_outputs(gm)
         for path, dims in plan.bound_activations:
@@ -122,6 +134,54 @@ def annotate_shardings(gm: torch.fx.GraphModule, mesh: Mesh, plan: ShardPlan, pr
     output.args = (new_results[0] if single else type(output.args[0])(new_results),)
     gm.meta["dtensor_outputs"] = dtensors
     gm.recompile()
+
+
+def _keep_stacked_parameters_split(graph: torch.fx.Graph, mesh: Mesh) -> None:
+    """A rolled loop's stacked parameters laid out as the parameters they stack, with the layer dimension
+    whole: each iteration then slices its layer's block where it lies and gathers only that layer (under
+    FSDP). Left to XLA's propagation, the stack (a concatenation of the layers' weights) was split along
+    the layer dimension and gathered whole before the loop: every layer's gathered weights at once (a
+    405B-shaped plan asked for 438 GB of temporaries per chip)."""
+    for node in list(graph.nodes):
+        if not is_loop(node):
+            continue
+        for stacked in loop_parts(node)[2]:
+            dims = _stacked_annotation_dims(stacked)
+            if dims is None:
+                continue
+            with graph.inserting_after(stacked):
+                annotation = graph.call_function(shard_annotation, (stacked, encode_sharding(mesh.axes, dims)))
+            annotation.meta["val"] = stacked.meta["val"]
+            node.replace_input_with(stacked, annotation)
+
+
+def _stacked_annotation_dims(stacked: Any) -> Dims | None:
+    """``((), *dims)`` for a stack of annotated values that share ``dims`` (``torch.stack`` as AOTAutograd's
+    decompositions write it: a concatenation along dimension 0, viewed with the layer dimension in front, or
+    a concatenation of values unsqueezed at 0); None for anything else."""
+    if not isinstance(stacked, torch.fx.Node) or stacked.op != "call_function":
+        return None
+    aten = torch.ops.aten
+    if stacked.target in (aten.view.default, aten.reshape.default, aten._unsafe_view.default):
+        concatenated, unsqueezed = stacked.args[0], False
+    else:
+        concatenated, unsqueezed = stacked, True
+    if (not isinstance(concatenated, torch.fx.Node) or concatenated.target is not aten.cat.default
+            or (len(concatenated.args) > 1 and concatenated.args[1] != 0)):
+        return None
+    layers = list(concatenated.args[0])
+    if unsqueezed:
+        if not all(isinstance(x, torch.fx.Node) and x.target is aten.unsqueeze.default and x.args[1] == 0
+                   for x in layers):
+            return None
+        layers = [x.args[0] for x in layers]
+    if not all(isinstance(x, torch.fx.Node) and x.target is shard_annotation for x in layers):
+        return None
+    found = {decode_sharding(x.args[1])[1] for x in layers}
+    shape = tuple(stacked.meta["val"].shape)
+    if len(found) != 1 or shape[1:] != tuple(layers[0].meta["val"].shape) or shape[0] != len(layers):
+        return None
+    return ((), *found.pop())
 
 
 def _computed_tensor(value: Any) -> bool:
