@@ -356,17 +356,16 @@ def _rewrite(gm: torch.fx.GraphModule, plan: _Plan, name: str) -> dict[torch.fx.
     gm.add_submodule(name, body)
     graph = gm.graph
     with graph.inserting_before(first.nodes[0]):
-        stacked = []
+        stacked, rows = [], []
         for k in plan.stacked:
             # Stacked as a concatenation of the layers' values, each with a new leading axis: its ATen form
             # (unsqueeze, cat) keeps each device's block of a split parameter where it lies, where torch.stack's
             # (a concatenation along the parameters' first axis, then a view) interleaves the devices' blocks.
-            rows = []
             for value in [layer.inputs[k] for layer in plan.layers]:
                 row = graph.call_function(torch.unsqueeze, (value, 0))
                 row.meta["example_value"] = _example(value).unsqueeze(0)
                 rows.append(row)
-            node = graph.call_function(torch.cat, (rows, 0))
+            node = graph.call_function(torch.cat, (rows[-len(plan.layers):], 0))
             node.meta["example_value"] = _stacked_example([_example(layer.inputs[k]) for layer in plan.layers])
             stacked.append(node)
         body_node = graph.get_attr(name)
@@ -395,7 +394,7 @@ def _rewrite(gm: torch.fx.GraphModule, plan: _Plan, name: str) -> dict[torch.fx.
         node.replace_all_uses_with(piece, delete_user_cb=lambda user: user not in run_nodes)
     trace = first.nodes[0].meta.get("stack_trace")  # the new ops point at the first layer's call site
     if trace:
-        for node in [*stacked, scan, *results, *pieces.values()]:
+        for node in [*rows, *stacked, scan, *results, *pieces.values()]:
             node.meta["stack_trace"] = trace
     members = set(last.nodes)
     for (_, source), result in zip(plan.carries, results, strict=True):
