@@ -4,6 +4,8 @@ FSDP (or FSDP x TP), and the step report: bytes per chip by use, whether it fits
 
     python bench/plan_tpu.py --model 8b --target tpu:v5p:4x4x4 --mesh data=64 --shard fsdp --batch 64
     python bench/plan_tpu.py --model 8b --target tpu:v5e:4x4 --mesh data=4,model=4 --shard fsdp+tp --batch 16
+    TPUCOMPILE_ROLL_LAYERS=1 python bench/plan_tpu.py --model 405b --target tpu:v5p:4x8x8 --mesh data=32,model=8 \
+        --shard fsdp+tp --batch 32
 
 Prints the wall time to trace and compile every graph, the process's peak resident memory (and, at the
 highest of twice-a-second samples, how much of it is heap and how much mapped library code), and the step
