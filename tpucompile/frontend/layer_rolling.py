@@ -361,11 +361,13 @@ def _rewrite(gm: torch.fx.GraphModule, plan: _Plan, name: str) -> dict[torch.fx.
             # Stacked as a concatenation of the layers' values, each with a new leading axis: its ATen form
             # (unsqueeze, cat) keeps each device's block of a split parameter where it lies, where torch.stack's
             # (a concatenation along the parameters' first axis, then a view) interleaves the devices' blocks.
+            layer_rows = []
             for value in [layer.inputs[k] for layer in plan.layers]:
                 row = graph.call_function(torch.unsqueeze, (value, 0))
                 row.meta["example_value"] = _example(value).unsqueeze(0)
-                rows.append(row)
-            node = graph.call_function(torch.cat, (rows[-len(plan.layers):], 0))
+                layer_rows.append(row)
+            rows += layer_rows
+            node = graph.call_function(torch.cat, (layer_rows, 0))
             node.meta["example_value"] = _stacked_example([_example(layer.inputs[k]) for layer in plan.layers])
             stacked.append(node)
         body_node = graph.get_attr(name)

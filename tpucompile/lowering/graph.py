@@ -193,17 +193,15 @@ class _GraphLowering:
         main.attributes["function_type"] = ir.TypeAttr.get(
             ir.FunctionType.get([spec_type(s) for s in input_specs], [spec_type(s) for s in result_specs])
         )
+        arg_dims = [arg_shardings.get(node, ()) for _, node in tensor_inputs]
+        result_dims = [shardy_attributes.annotation_dims(n) if shardy_attributes.is_annotation(n) else None
+                       for n in unique_results]
         if mesh is not None:
-            arg_dims = [arg_shardings.get(node, ()) for _, node in tensor_inputs] + ([()] if needs_seed else [])
-            result_dims = [shardy_attributes.annotation_dims(n) if shardy_attributes.is_annotation(n) else None
-                           for n in unique_results]
-            result_dims += [()] * len(sizes)
-            shardy_attributes.set_shardings(main.operation, arg_dims, [len(s.shape) for s in input_specs],
-                                   result_dims, [len(s.shape) for s in result_specs])
+            shardy_attributes.set_shardings(main.operation, arg_dims + ([()] if needs_seed else []),
+                                            [len(s.shape) for s in input_specs],
+                                            result_dims + [()] * len(sizes), [len(s.shape) for s in result_specs])
 
-        laid_out_alike = _layout_check(mesh, [arg_shardings.get(node, ()) for _, node in tensor_inputs],
-                                       [shardy_attributes.annotation_dims(n) if shardy_attributes.is_annotation(n)
-                                        else None for n in unique_results])
+        laid_out_alike = _layout_check(mesh, arg_dims, result_dims)
         aliases = self._input_aliases(tensor_inputs, outputs, unique_results, input_specs, result_specs,
                                       laid_out_alike)
         if any(a is not None for a in aliases):

@@ -149,15 +149,9 @@ def per_shard(operands: Sequence[ir.Value], operand_dims: Sequence[Dims], result
 def program_shardings(module: ir.Module) -> ProgramShardings | None:
     """The mesh and the argument and result shardings of a lowered module; None when it is not sharded."""
     with module.context:
-        mesh = None
-        main = None
-        for op in module.body.operations:
-            name = op.operation.name
-            if name == "sdy.mesh" and ir.StringAttr(op.operation.attributes["sym_name"]).value == MESH_NAME:
-                attr = sdy.MeshAttr(op.operation.attributes["mesh"])
-                mesh = tuple((sdy.MeshAxisAttr(a).name, sdy.MeshAxisAttr(a).size) for a in attr.axes)
-            elif name == "func.func" and ir.StringAttr(op.operation.attributes["sym_name"]).value == "main":
-                main = op.operation
+        mesh = module_mesh(module.operation)
+        main = next((op.operation for op in module.body.operations if op.operation.name == "func.func"
+                     and ir.StringAttr(op.operation.attributes["sym_name"]).value == "main"), None)
         if mesh is None or main is None:
             return None
         return ProgramShardings(mesh, _read(main, "arg_attrs"), _read(main, "res_attrs"))
