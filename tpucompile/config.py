@@ -69,6 +69,12 @@ class Options:
     (``linear`` on a (batch, sequence, features) input) as the unmerged tensor, instead of the merge, which
     XLA's padder compiles into packing the actual rows on every call (``lowering/unmerged.py``)."""
 
+    bucket_fixed_shapes_in_place: bool = True
+    """In bucketed programs, a runtime-sized value that has to leave XLA's size tracking (a program result,
+    such as each value a training forward saves for its backward; an FFT's or a sort's operand) is given a
+    fixed shape where it lies, padding included, by an annotation that compiles to nothing; False copies it
+    through an identity gather (``lowering/dynamic_sizes.fixed_shape``)."""
+
     compact_embedding_grad: bool = True
     """The gradient of a bf16/f16 embedding table is summed in f32 per distinct token id in a buffer of the
     tokens' size, and each id's rounded sum added into a table of the weight's dtype; False takes PyTorch's

@@ -357,15 +357,16 @@ def test_views_and_lookups_stay_on_buckets(op, caplog, seeded):
     assert not _per_size_compiles(caplog) and not _bucket_compiles(caplog)
 
 
-@pytest.mark.parametrize("unmerged", [True, False], ids=["unmerged-products", "merged-views"])
-def test_llama_training_on_buckets(unmerged, caplog, seeded):
+@pytest.mark.parametrize("switches", [{}, {"bucket_unmerged_products": False},
+                                      {"bucket_fixed_shapes_in_place": False}],
+                         ids=["default", "merged-views", "results-copied"])
+def test_llama_training_on_buckets(switches, caplog, seeded):
     from llama import Llama, LlamaConfig
 
     caplog.set_level(logging.INFO, logger="tpucompile")
     model = Llama(LlamaConfig())
     eager = copy.deepcopy(model)
-    compiled = torch.compile(model, backend="tpucompile",
-                             options={**BUCKETED, "bucket_unmerged_products": unmerged})
+    compiled = torch.compile(model, backend="tpucompile", options={**BUCKETED, **switches})
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for n in (5, 9, 16, 17, 23):
@@ -408,6 +409,84 @@ def test_products_of_merged_views_take_the_unmerged_tensor(unmerged, seeded):
     assert len(products) == 1
     assert ("tensor<2x16x8xf32>" in products[0]) == unmerged
     assert ("tensor<32x8xf32>" in products[0]) == (not unmerged)
+
+
+class _SavesInnerPadded(torch.nn.Module):
+    """A block whose training forward saves values padded along an inner dimension (the sequence of a
+    (batch, sequence, features) activation), where XLA would lay a runtime-sized result out packed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(6, 12)
+        self.down = torch.nn.Linear(12, 6)
+        self.norm = torch.nn.LayerNorm(6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x + self.down(torch.nn.functional.gelu(self.up(x))))
+        return h * h.mean(dim=1, keepdim=True)
+
+
+def _entry_results(executable) -> str:
+    """The result types of a compiled program's entry computation (``f32[2,<=16,8]`` where XLA left a size
+    to run time)."""
+    text = "\n".join(m.to_string() for m in executable.hlo_modules())
+    (entry,) = [line for line in text.splitlines() if line.startswith("ENTRY")]
+    return entry.split("->")[-1]
+
+
+def _train_saves_inner_padded(in_place: bool) -> list:
+    """Two training steps of ``_SavesInnerPadded`` on buckets (sizes 5 and 11: one bucket), compiled for this
+    machine and a TPU target, output and every gradient checked against eager; the compile events."""
+    block = _SavesInnerPadded()
+    eager = copy.deepcopy(block)
+    events = []
+    remove = driver.add_observer(events.append)
+    try:
+        compiled = torch.compile(block, backend="tpucompile",
+                                 options={**BUCKETED, "cache_mode": "off", "targets": ["tpu:v5e:1x1"],
+                                          "bucket_fixed_shapes_in_place": in_place})
+        for n in (5, 11):
+            x = torch.randn(2, n, 6, requires_grad=True)
+            torch._dynamo.mark_dynamic(x, 1)
+            y = x.detach().clone().requires_grad_()
+            got, expected = compiled(x), eager(y)
+            assert_close_tree(got, expected)
+            weights = torch.randn_like(expected)
+            (got * weights).sum().backward()
+            (expected * weights).sum().backward()
+            assert_close_tree(x.grad, y.grad)
+            for p, q in zip(block.parameters(), eager.parameters(), strict=True):
+                assert_close_tree(p.grad, q.grad)
+                p.grad = q.grad = None
+    finally:
+        remove()
+    return events
+
+
+def test_values_saved_for_the_backward_leave_the_forward_uncopied(seeded):
+    """A bucketed training forward returns its runtime-sized values (its output and each value saved for the
+    backward) padded as they lie: the lowered program writes each over a constant by a scatter, which XLA's
+    dynamic padder takes as fixed in shape and its simplifier then removes, so neither the CPU's nor the
+    TPU's program copies them; with the switch off each is copied by a gather. Either way both compilers
+    return fixed shapes, and the output and every gradient match eager."""
+    pytest.importorskip("libtpu")
+    gathers = {}
+    for in_place in (True, False):
+        events = _train_saves_inner_padded(in_place)
+        forwards = [e for e in events if e.name.endswith("(forward)")]
+        (lowered,) = {e.program.text() for e in forwards}
+        # the output and the 7 runtime-sized values saved for the backward (one more is of fixed shape)
+        assert lowered.count('"stablehlo.scatter"(') == (8 if in_place else 0)
+        assert lowered.count('"stablehlo.gather"(') == (0 if in_place else 8)
+        assert {e.target for e in forwards} == {None, "tpu:v5e:1x1"}
+        for event in events:  # this machine's programs and the TPU's
+            assert "<=" not in _entry_results(event.executable), event.name
+        for event in forwards:
+            optimized = "\n".join(m.to_string() for m in event.executable.hlo_modules())
+            assert " scatter(" not in optimized, event.target
+            gathers[event.target, in_place] = optimized.count(" gather(")  # XLA's padder packs merged rows too
+    for target in (None, "tpu:v5e:1x1"):
+        assert gathers[target, False] - gathers[target, True] == 8, gathers
 
 
 _SWEPT = ["add", "mul", "div", "where", "exp", "tanh", "sigmoid", "nn.functional.gelu", "softmax", "log_softmax",

@@ -60,6 +60,7 @@ def encode_graph(gm: torch.fx.GraphModule, bindings: ShapeBindings, values: bool
     if bindings.runtime:  # a bucketed program: its sizes above are the bucket's, these come at run time
         encoded["runtime_sizes"] = sorted(str(s) for s in bindings.runtime)
         encoded["unmerged_products"] = bindings.unmerged_products
+        encoded["fixed_in_place"] = bindings.fixed_in_place
     return digest(canonical_json(encoded)), digest(canonical_json({"locations": locations}))
 
 

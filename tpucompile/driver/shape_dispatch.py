@@ -38,7 +38,8 @@ def compile_region(
         return build(ShapeBindings())
     if _bucketable(gm, metas, targets, options, name):  # the bucketed graph pads the constants with the rest
         def build_for_bucket(bounds: dict, runtime: frozenset) -> GraphExecutable:
-            return build(ShapeBindings(bounds, runtime, options.bucket_unmerged_products), [])
+            return build(ShapeBindings(bounds, runtime, options.bucket_unmerged_products,
+                                       options.bucket_fixed_shapes_in_place), [])
 
         return BucketedGraph(name, gm, build_for_bucket, lifted_constants, options.buckets,
                              options.bucket_minimum, options.max_shape_specializations)

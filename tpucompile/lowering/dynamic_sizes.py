@@ -117,17 +117,24 @@ def mark_dynamic(value: ir.Value, spec: TensorSpec, dims: list[tuple[int, sympy.
     return hlo.convert(tensor_type(tuple(shape), spec.dtype), marked)
 
 
-def static_result(value: ir.Value, spec: TensorSpec, dims: list[tuple[int, sympy.Expr]]) -> ir.Value:
+def static_result(value: ir.Value, spec: TensorSpec, dims: list[tuple[int, sympy.Expr]],
+                  in_place: bool = False) -> ir.Value:
     """``value`` as a program result of fixed shape: XLA returns a buffer of dynamic shape for a result it
     knows to be runtime-sized, which DLPack cannot carry; results are cut to their actual sizes after the
-    call."""
-    return fixed_shape(value, [dim for dim, _ in dims])
+    call, and a value a forward saves for its backward crosses padded (the backward marks it again)."""
+    return fixed_shape(value, [dim for dim, _ in dims], in_place)
 
 
-def fixed_shape(value: ir.Value, dims: list[int]) -> ir.Value:
-    """``value`` with the same elements (padding included) in a shape XLA takes as fixed along ``dims``:
-    gathering every position of a dimension ends XLA's knowledge of its runtime size, where slices, reshapes
-    and ``set_dimension_size`` to the bound all keep it."""
+def fixed_shape(value: ir.Value, dims: list[int], in_place: bool = False) -> ir.Value:
+    """``value`` with the same elements (padding included) in a shape XLA takes as fixed along ``dims``.
+    ``in_place``: written whole over a constant by a scatter, which XLA's dynamic padder gives a fixed shape
+    and its simplifier then removes, so the value keeps its buffer; else by gathering every position of each
+    dimension, a copy. Slices, reshapes, optimisation barriers, sharding annotations and
+    ``set_dimension_size`` to the bound all keep XLA's knowledge of the runtime size."""
+    if not dims:
+        return value
+    if in_place:
+        return _written_over_constant(value)
     shape = shape_of(value)
     rank = len(shape)
     for dim in dims:
@@ -140,12 +147,29 @@ def fixed_shape(value: ir.Value, dims: list[int]) -> ir.Value:
     return value
 
 
-def fixed_where_padded(value: ir.Value, meta: Any, extent: Callable[[Any, int], ir.Value | None]) -> ir.Value:
+def _written_over_constant(value: ir.Value) -> ir.Value:
+    shape, dtype = shape_of(value), dtype_of(value)
+    rank = len(shape)
+    numbers = hlo.ScatterDimensionNumbers.get(
+        update_window_dims=list(range(rank)), inserted_window_dims=[], input_batching_dims=[],
+        scatter_indices_batching_dims=[], scattered_dims_to_operand_dims=[0], index_vector_dim=0)
+    start = constant(0, SIZE_DTYPE, (1,))
+    scatter = hlo.ScatterOp([value.type], [constant(0, dtype, shape)], start, [value], numbers,
+                            indices_are_sorted=True, unique_indices=True)
+    scalar = tensor_type((), dtype)
+    block = scatter.update_computation.blocks.append(scalar, scalar)
+    with ir.InsertionPoint(block):
+        hlo.ReturnOp([block.arguments[1]])
+    return scatter.results[0]
+
+
+def fixed_where_padded(value: ir.Value, meta: Any, extent: Callable[[Any, int], ir.Value | None],
+                       in_place: bool = False) -> ir.Value:
     """``value`` (the lowered ``meta``) fixed in shape along each dimension a bucket pads (``extent``, the
     lowering context's, says which): for ops XLA's dynamic padder cannot carry a runtime size through."""
     if not isinstance(meta, torch.Tensor):
         return value
-    return fixed_shape(value, [d for d in range(meta.dim()) if extent(meta, d) is not None])
+    return fixed_shape(value, [d for d in range(meta.dim()) if extent(meta, d) is not None], in_place)
 
 
 def element_count(extent: Callable[[Any, int], ir.Value | None], meta: Any, shape: Sequence[int],

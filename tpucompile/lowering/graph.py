@@ -123,7 +123,7 @@ class _GraphLowering:
         self.narrow_products = narrow_products
         self.narrow_elementwise = narrow_elementwise
         self.bindings = ShapeBindings(  # a copy: data-dependent sizes get bound to their bounds below
-            dict(bindings.values), bindings.runtime, bindings.unmerged_products)
+            dict(bindings.values), bindings.runtime, bindings.unmerged_products, bindings.fixed_in_place)
         self.runtime = bindings.runtime
         self.sizes: dynamic_sizes.SizeValues | None = None
         """The values of runtime size expressions, in a bucketed program."""
@@ -240,7 +240,8 @@ class _GraphLowering:
         if self.sizes is None:
             return value
         dims = dynamic_sizes.symbolic_dims(node.meta["val"], self.runtime)
-        return dynamic_sizes.static_result(value, self.bindings.spec(node.meta["val"]), dims) if dims else value
+        return (dynamic_sizes.static_result(value, self.bindings.spec(node.meta["val"]), dims,
+                                            self.bindings.fixed_in_place) if dims else value)
 
     def _marked(self, val: Any, value: Any) -> Any:
         """``value`` with its runtime-sized dimensions marked (``dynamic_sizes``), element-wise for the results
@@ -375,6 +376,7 @@ class _GraphLowering:
             operand_metas=[_meta(a) for a in node.args],
             random=self.random,
             extent=self._extent,
+            fixed_in_place=self.bindings.fixed_in_place,
             runtime_scalars=self._runtime_scalars(node),
             narrow_products=self.narrow_products,
             narrow_elementwise=self.narrow_elementwise,
@@ -430,7 +432,7 @@ class _GraphLowering:
             return result
         vals = node.meta["val"] if isinstance(node.meta["val"], (list, tuple)) else [node.meta["val"]]
         values = result if isinstance(result, (list, tuple)) else [result]
-        fixed = [dynamic_sizes.fixed_shape(value, [dim])
+        fixed = [dynamic_sizes.fixed_shape(value, [dim], self.bindings.fixed_in_place)
                  if not any(d == dim for d, _ in dynamic_sizes.symbolic_dims(val, self.runtime))
                  and val.shape[dim] > 1 else value
                  for val, value in zip(vals, values, strict=True)]

@@ -51,6 +51,9 @@ class LoweringContext:
     backward divides by the length, a cache's positions start at its length), each as a scalar value the
     program computes when it runs: the argument the rule gets is its value at the bucket, right only for a
     size that shapes the result. Elementwise rules take these values in place of the number."""
+    fixed_in_place: bool = False
+    """In a bucketed program: whether a runtime-sized value an op needs in a fixed shape keeps its buffer
+    (``dynamic_sizes.fixed_shape``)."""
     narrow_products: bool = False
     """Whether bf16/f16 matrix products write their rounded result directly (``rules/matmul.py``), rather
     than an f32 product and a convert."""

@@ -31,7 +31,7 @@ class ShapeBindings:
 
     def __init__(
         self, values: dict[sympy.Symbol, int] | None = None, runtime: frozenset[sympy.Symbol] = frozenset(),
-        unmerged_products: bool = True,
+        unmerged_products: bool = True, fixed_in_place: bool = True,
     ) -> None:
         self.values: dict[sympy.Symbol, sympy.Expr] = {k: sympy.sympify(v) for k, v in (values or {}).items()}
         self.runtime = frozenset(runtime)
@@ -39,6 +39,8 @@ class ShapeBindings:
         (``dynamic_sizes``)."""
         self.unmerged_products = unmerged_products
         """With ``runtime`` symbols: matrix products take merged views unmerged (``lowering.unmerged``)."""
+        self.fixed_in_place = fixed_in_place
+        """With ``runtime`` symbols: values leave XLA's size tracking uncopied (``dynamic_sizes.fixed_shape``)."""
 
     @classmethod
     def from_inputs(cls, metas: Sequence[Any], actuals: Sequence[Any]) -> ShapeBindings:

@@ -97,7 +97,7 @@ def _dims(dims: Sequence[int], rank: int) -> list[int]:
 def _fixed(ctx, x: ir.Value) -> ir.Value:
     """``x`` in a shape XLA takes as fixed: XLA cannot carry a runtime size through ``fft`` (padding admits only
     transforms over dims that are not padded, so each padded position is a transform of its own)."""
-    return dynamic_sizes.fixed_where_padded(x, ctx.operand_metas[0], ctx.extent)
+    return dynamic_sizes.fixed_where_padded(x, ctx.operand_metas[0], ctx.extent, ctx.fixed_in_place)
 
 
 @register_rule(aten._fft_c2c.default)

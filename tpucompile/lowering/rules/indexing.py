@@ -228,9 +228,9 @@ def _index_put(ctx, x, indices, values, accumulate=False):
     dropped = [None if m is None else [ctx.extent(m, k) for k in range(m.dim())] for m in ctx.operand_metas[1]]
     # XLA's scatter takes a runtime-sized update window only where the operand's is the same: both are made
     # fixed-shape (the padding of an update lands in the operand's padding, or its index is dropped)
-    x = dynamic_sizes.fixed_where_padded(x, meta, ctx.extent)
+    x = dynamic_sizes.fixed_where_padded(x, meta, ctx.extent, ctx.fixed_in_place)
     if isinstance(values, ir.Value):
-        values = dynamic_sizes.fixed_where_padded(values, ctx.operand_metas[2], ctx.extent)
+        values = dynamic_sizes.fixed_where_padded(values, ctx.operand_metas[2], ctx.extent, ctx.fixed_in_place)
     return _put(x, indices, values, combiner, extents, dropped)
 
 

@@ -88,14 +88,15 @@ def _last_past_actual(ctx, x: Value, dim: int, descending: bool) -> Value:
     or the smallest integer descending). The selection is stable, so actual elements equal to it still come
     first, and ``topk``'s results are of fixed size as torch says (XLA would take the first ``k`` of a padded
     dimension as runtime-sized)."""
-    return _padding_last(x, dim, ctx.extent(ctx.operand_metas[0], dim), descending)
+    return _padding_last(x, dim, ctx.extent(ctx.operand_metas[0], dim), descending, ctx.fixed_in_place)
 
 
-def _padding_last(x: Value, dim: int, extent: Value | None, descending: bool) -> Value:
-    """``_last_past_actual`` for a known actual extent of ``dim`` (None: not padded)."""
+def _padding_last(x: Value, dim: int, extent: Value | None, descending: bool, in_place: bool) -> Value:
+    """``_last_past_actual`` for a known actual extent of ``dim`` (None: not padded); ``in_place`` as for
+    ``dynamic_sizes.fixed_shape``."""
     if extent is None:
         return x
-    x = dynamic_sizes.fixed_shape(x, [dim])
+    x = dynamic_sizes.fixed_shape(x, [dim], in_place)
     shape, dtype = builder.shape_of(x), builder.dtype_of(x)
     if descending:
         last = builder.min_value(dtype)
@@ -189,7 +190,7 @@ def _kthvalue(ctx, x, k, dim=-1, keepdim=False):
     return _select_sorted(_last_past_actual(ctx, x, dim, descending=False), dim, k - 1, _out_shapes(ctx))
 
 
-def _actual_row(x: Value, dim: int, extent: Value | None) -> tuple[Value, Value, Value]:
+def _actual_row(x: Value, dim: int, extent: Value | None, in_place: bool) -> tuple[Value, Value, Value]:
     """(x, its row length, its NaN count) along ``dim`` (length and count int64, ``dim`` removed). Where a
     bucket pads ``dim`` (``extent``, its actual size), the padding is made NaN (or the largest integer):
     stable sorting puts it after every actual element, actual NaNs included, and neither figure counts it."""
@@ -197,7 +198,7 @@ def _actual_row(x: Value, dim: int, extent: Value | None) -> tuple[Value, Value,
     rows = [s for d, s in enumerate(shape) if d != dim]
     if extent is None:
         return x, builder.constant(shape[dim], torch.int64, rows), _nan_count(x, dim)
-    padded = _padding_last(x, dim, extent, descending=False)
+    padded = _padding_last(x, dim, extent, False, in_place)
     length = builder.broadcast_to(builder.convert(extent, torch.int64), rows)
     if not builder.dtype_of(x).is_floating_point:
         return padded, length, builder.constant(0, torch.int64, rows)
@@ -214,13 +215,13 @@ def _nan_count(x: Value, dim: int) -> Value:
     return builder.reduce_sum(builder.convert(builder.is_nan(x), torch.int64), [dim])
 
 
-def _median(x: Value, dim: int, shapes: Sequence[Sequence[int]], extent: Value | None = None
-            ) -> tuple[Value, Value]:
+def _median(x: Value, dim: int, shapes: Sequence[Sequence[int]], extent: Value | None = None,
+            in_place: bool = False) -> tuple[Value, Value]:
     """The lower median; any NaN in the row makes the result that NaN (the first one: sorting is stable).
     ``extent``: the actual size of a padded ``dim``."""
     x = builder.at_least_1d(x)
     dim %= builder.rank_of(x)
-    x, size, nans = _actual_row(x, dim, extent)
+    x, size, nans = _actual_row(x, dim, extent, in_place)
     shape = builder.shape_of(nans)
     one = builder.constant(1, torch.int64, shape)
     middle = hlo.divide(hlo.subtract(size, one), builder.constant(2, torch.int64, shape))
@@ -229,13 +230,13 @@ def _median(x: Value, dim: int, shapes: Sequence[Sequence[int]], extent: Value |
     return _select_sorted(x, dim, builder.select(has_nan, first_nan, middle), shapes)
 
 
-def _nanmedian(x: Value, dim: int, shapes: Sequence[Sequence[int]], extent: Value | None = None
-               ) -> tuple[Value, Value]:
+def _nanmedian(x: Value, dim: int, shapes: Sequence[Sequence[int]], extent: Value | None = None,
+               in_place: bool = False) -> tuple[Value, Value]:
     """The lower median of the non-NaN values (NaN only for an all-NaN row): NaNs sort last, so it sits at
     ``(count - 1) // 2`` of the sorted row. ``extent``: the actual size of a padded ``dim``."""
     x = builder.at_least_1d(x)
     dim %= builder.rank_of(x)
-    x, size, nans = _actual_row(x, dim, extent)
+    x, size, nans = _actual_row(x, dim, extent, in_place)
     shape = builder.shape_of(nans)
     count = hlo.subtract(size, nans)
     half = hlo.divide(
@@ -251,7 +252,7 @@ def _flat(x: Value) -> Value:
 
 @register_rule(aten.median.dim)
 def _median_dim(ctx, x, dim, keepdim=False):
-    return _median(x, dim, _out_shapes(ctx), ctx.extent(ctx.operand_metas[0], dim))
+    return _median(x, dim, _out_shapes(ctx), ctx.extent(ctx.operand_metas[0], dim), ctx.fixed_in_place)
 
 
 @register_rule(aten.median.default)
@@ -261,7 +262,7 @@ def _median_all(ctx, x):
 
 @register_rule(aten.nanmedian.dim)
 def _nanmedian_dim(ctx, x, dim, keepdim=False):
-    return _nanmedian(x, dim, _out_shapes(ctx), ctx.extent(ctx.operand_metas[0], dim))
+    return _nanmedian(x, dim, _out_shapes(ctx), ctx.extent(ctx.operand_metas[0], dim), ctx.fixed_in_place)
 
 
 @register_rule(aten.nanmedian.default)
