@@ -23,6 +23,7 @@ from torch._dynamo.backends.common import aot_autograd
 
 from tpucompile import plan_replay
 from tpucompile.config import Options, narrow_products_for, roll_layers_for
+from tpucompile.contracts.saved_handoff import SAVED_HANDOFF, HandoffEnd, SavedHandoff
 from tpucompile.debug import recorder as dump
 from tpucompile.driver import compile_graph, decompositions_for, record_graph, resolve_targets
 from tpucompile.driver.host_kernel_upgrades import compiling
@@ -90,10 +91,14 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], config: 
         recorder = plan_replay.PlanRecorder(components, targets.tiers, len(example_inputs))
 
     uses = graph_input_uses(gm, example_inputs)
+    handoff = SavedHandoff()
 
     def compiler(role: str) -> Callable[[torch.fx.GraphModule, list[Any]], Callable]:
         def compile_role(aten_gm: torch.fx.GraphModule, aten_inputs: list[Any]) -> Callable:
             aten_gm.meta[USES_KEY] = uses  # step reports count memory by use
+            if role == "forward":
+                handoff.returns = _forward_returns()
+            aten_gm.meta[SAVED_HANDOFF] = HandoffEnd(role, handoff)
             if config.donate:  # the plan's runner keeps the saved values as its own buffers
                 mark_donatable(aten_gm, role, saved_on_device=recorder is not None and not recorder.abandoned)
             role_config = dataclasses.replace(
@@ -114,6 +119,13 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], config: 
             partition_fn=fitting_partition(config, uses),
         )(gm, example_inputs))
     return compiled if recorder is None else recorder.take_over(compiled)
+
+
+def _forward_returns() -> int | None:
+    """For the forward graph being compiled: how many of its outputs AOTAutograd returns to the caller (the
+    rest are saved for the backward); None when its metadata is not at hand."""
+    context = torch._guards.TracingContext.try_get()
+    return getattr(getattr(context, "fw_metadata", None), "num_forward_returns", None)
 
 
 def _aot_autograd_settings(config: Options) -> contextlib.AbstractContextManager:

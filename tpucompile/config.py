@@ -75,6 +75,11 @@ class Options:
     fixed shape where it lies, padding included, by an annotation that compiles to nothing; False copies it
     through an identity gather (``lowering/dynamic_sizes.fixed_shape``)."""
 
+    bucket_saved_padded: bool = True
+    """A bucketed forward hands the values it saves for a bucketed backward over padded to its bucket, as its
+    program returned them, instead of cutting each to its actual size (a copy) for the backward to pad again
+    (another); the backward's program ignores the padding (``contracts/saved_handoff``)."""
+
     compact_embedding_grad: bool = True
     """The gradient of a bf16/f16 embedding table is summed in f32 per distinct token id in a buffer of the
     tokens' size, and each id's rounded sum added into a table of the weight's dtype; False takes PyTorch's

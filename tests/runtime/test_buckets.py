@@ -358,8 +358,8 @@ def test_views_and_lookups_stay_on_buckets(op, caplog, seeded):
 
 
 @pytest.mark.parametrize("switches", [{}, {"bucket_unmerged_products": False},
-                                      {"bucket_fixed_shapes_in_place": False}],
-                         ids=["default", "merged-views", "results-copied"])
+                                      {"bucket_fixed_shapes_in_place": False}, {"bucket_saved_padded": False}],
+                         ids=["default", "merged-views", "results-copied", "saved-cut"])
 def test_llama_training_on_buckets(switches, caplog, seeded):
     from llama import Llama, LlamaConfig
 
@@ -487,6 +487,59 @@ def test_values_saved_for_the_backward_leave_the_forward_uncopied(seeded):
             gathers[event.target, in_place] = optimized.count(" gather(")  # XLA's padder packs merged rows too
     for target in (None, "tpu:v5e:1x1"):
         assert gathers[target, False] - gathers[target, True] == 8, gathers
+
+
+@pytest.mark.parametrize("padded", [True, False], ids=["kept-padded", "cut"])
+def test_values_saved_for_a_bucketed_backward_stay_padded(padded, seeded):
+    """The values a bucketed forward saves for a bucketed backward reach it as the forward's program returned
+    them, padded to the bucket (16 rows here, 32 where two dimensions are merged), not cut to the actual size
+    and padded again; the backward's program ignores the padding, so the gradients match eager. With the
+    switch off each is cut to its actual size."""
+    block = _SavesInnerPadded()
+    eager = copy.deepcopy(block)
+    compiled = torch.compile(block, backend="tpucompile",
+                             options={**BUCKETED, "cache_mode": "off", "bucket_saved_padded": padded})
+    for n in (5, 11, 9):
+        x = torch.randn(2, n, 6, requires_grad=True)
+        torch._dynamo.mark_dynamic(x, 1)
+        y = x.detach().clone().requires_grad_()
+        got, expected = compiled(x), eager(y)
+        rows, merged = (16, 32) if padded else (n, 2 * n)
+        # the weights, the input's merged view (remade from the input), then the activations
+        assert sorted(tuple(t.shape) for t in got.grad_fn.saved_tensors) == sorted([
+            (12, 6), (6, 12), (6,), (2 * n, 6), (merged, 12), (merged, 12), (2, rows, 6), (2, rows, 6),
+            (2, rows, 1), (2, rows, 1), (2, 1, 6)])
+        assert_close_tree(got, expected)
+        (got * got).sum().backward()
+        (expected * expected).sum().backward()
+        assert_close_tree(x.grad, y.grad)
+        for p, q in zip(block.parameters(), eager.parameters(), strict=True):
+            assert_close_tree(p.grad, q.grad)
+            p.grad = q.grad = None
+
+
+@pytest.mark.parametrize("sized_gradient", [True, False], ids=["size-in-gradient", "size-only-in-saved"])
+def test_a_backward_takes_padded_values_only_when_it_reads_no_size_from_them(sized_gradient):
+    """A backward whose only source of a size is a saved value (padded to the forward's bucket, it would read
+    the bucket's size) leaves the forward cutting them; one that can read it from an output's gradient takes
+    them padded. The sources prefer every other argument to the saved values."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from tpucompile.contracts.saved_handoff import HandoffEnd, SavedHandoff
+    from tpucompile.runtime.buckets import BucketedGraph
+
+    def backward(activation, tangents):
+        return activation * tangents
+
+    # symbolic tracing gives equal sizes one symbol: the gradient's (3, 5) shares the activation's
+    gradient = torch.randn(3, 5) if sized_gradient else torch.randn(())
+    gm = make_fx(backward, tracing_mode="symbolic")(torch.randn(3, 5), gradient)
+    shared = SavedHandoff(returns=1)
+    graph = BucketedGraph("graph 0 (backward)", gm, lambda bounds, runtime: None, [], (), 16, 4,
+                          HandoffEnd("backward", shared))
+    assert graph.symbols
+    assert shared.backward_takes_padded == sized_gradient
+    assert graph._may_arrive_padded == (frozenset({0}) if sized_gradient else frozenset())
 
 
 _SWEPT = ["add", "mul", "div", "where", "exp", "tanh", "sigmoid", "nn.functional.gelu", "softmax", "log_softmax",

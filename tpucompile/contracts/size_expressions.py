@@ -102,12 +102,15 @@ def runtime_symbols(metas: Sequence[Any]) -> frozenset[sympy.Symbol]:
 
 
 def symbol_sources(
-    metas: Sequence[Any], symbols: frozenset[sympy.Symbol]
+    metas: Sequence[Any], symbols: frozenset[sympy.Symbol], last: frozenset[int] = frozenset()
 ) -> dict[sympy.Symbol, tuple[int, int | None]]:
     """Where each symbol's value is read on a call: (argument position, dimension), or (position, None) for a
-    SymInt argument. Symbols with no argument of their own are left out."""
+    SymInt argument; the arguments at positions in ``last`` only for symbols no other argument has. Symbols
+    with no argument of their own are left out."""
     sources: dict[sympy.Symbol, tuple[int, int | None]] = {}
-    for position, meta in enumerate(metas):
+    order = [p for p in range(len(metas)) if p not in last] + sorted(p for p in last if p < len(metas))
+    for position in order:
+        meta = metas[position]
         if isinstance(meta, torch.SymInt) and meta.node.expr in symbols:
             sources.setdefault(meta.node.expr, (position, None))
         elif isinstance(meta, torch.Tensor):

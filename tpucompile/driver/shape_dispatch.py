@@ -12,6 +12,7 @@ import torch
 import torch.fx
 
 from tpucompile.config import Options
+from tpucompile.contracts.saved_handoff import SAVED_HANDOFF
 from tpucompile.contracts.size_expressions import runtime_symbols
 from tpucompile.driver.executable_assembly import build_executable
 from tpucompile.driver.resolved_targets import CompileTargets
@@ -42,7 +43,8 @@ def compile_region(
                                        options.bucket_fixed_shapes_in_place), [])
 
         return BucketedGraph(name, gm, build_for_bucket, lifted_constants, options.buckets,
-                             options.bucket_minimum, options.max_shape_specializations)
+                             options.bucket_minimum, options.max_shape_specializations,
+                             gm.meta.get(SAVED_HANDOFF) if options.bucket_saved_padded else None)
 
     def build_for_call(args: list[Any]) -> GraphExecutable:
         actual = [*args, *lifted_constants]

@@ -21,6 +21,7 @@ from typing import Any
 import sympy
 import torch
 
+from tpucompile.contracts.saved_handoff import HandoffEnd, is_saved_activation
 from tpucompile.contracts.size_expressions import (
     SIZE_DTYPE,
     evaluate,
@@ -102,6 +103,7 @@ class BucketedGraph:
         bucket_sizes: Sequence[Any],
         bucket_minimum: int,
         max_entries: int,
+        handoff: HandoffEnd | None = None,
     ) -> None:
         self._boxed_call = True  # AOTAutograd passes the arguments as one list
         self.name = name
@@ -114,7 +116,17 @@ class BucketedGraph:
         self.symbols = sorted(runtime_symbols(self._metas), key=str)
         self._sizes = sizes_per_symbol(self.symbols, self._metas, bucket_sizes)
         runtime = frozenset(self.symbols)
-        self._sources = symbol_sources(self._metas, runtime)
+        saved = frozenset(position for position, node in enumerate(placeholders)
+                          if handoff is not None and handoff.role == "backward"
+                          and isinstance(node.meta.get("val"), torch.Tensor) and is_saved_activation(node.name))
+        self._sources = symbol_sources(self._metas, runtime, last=saved)
+        self._may_arrive_padded = frozenset()
+        """Arguments that may come padded to the bucket: a bucketed backward's saved values, once it reads no
+        size from them (``contracts/saved_handoff``)."""
+        if saved and not {position for position, _ in self._sources.values()} & saved:
+            self._may_arrive_padded = saved
+            handoff.handoff.backward_takes_padded = True
+        self._handoff = handoff.handoff if handoff is not None and handoff.role == "forward" else None
         self._padded = [(position, symbolic_dims(meta, runtime)) for position, meta in enumerate(self._metas)
                         if isinstance(meta, torch.Tensor) and symbolic_dims(meta, runtime)]
         self._outputs = [self._output_rule(out, placeholders, runtime) for out in _graph_outputs(gm)]
@@ -150,10 +162,10 @@ class BucketedGraph:
         full = [*args, *self._constants]
         values = read_symbols(self._sources, full)
         signature = call_signature(full)
+        bucket = self.bucket_of(values)
         if signature not in self._checked:
             self._check(full, values)
             self._checked.add(signature)
-        bucket = self.bucket_of(values)
         entry = self._entries.get(bucket)
         if entry is None:
             entry = self._specialize(bucket, values)
@@ -168,8 +180,9 @@ class BucketedGraph:
             padded[position] = _pad(full[position], shapes[position])
         sizes = [size_tensor(values[s]) for s in self.symbols]
         results = runner([*padded, *sizes])
-        outputs = [self._output(result, rule, full, values)
-                   for result, rule in zip(results, self._outputs, strict=True)]
+        kept = self._kept_padded_from()
+        outputs = [result if index >= kept and rule[0] == "tensor" else self._output(result, rule, full, values)
+                   for index, (result, rule) in enumerate(zip(results, self._outputs, strict=True))]
         return replace_views(outputs, self._views, full, values) if self._views else outputs
 
     def fill(self, sizes: Sequence[int]) -> list[Bucket]:
@@ -184,12 +197,27 @@ class BucketedGraph:
             self._compile(bucket)
         return buckets
 
+    def _kept_padded_from(self) -> int:
+        """The first output left padded to the bucket: a forward's values saved for a backward that takes
+        them so (``contracts/saved_handoff``); past the last output otherwise."""
+        handoff = self._handoff
+        if handoff is None or not handoff.backward_takes_padded or handoff.returns is None:
+            return len(self._outputs)
+        return handoff.returns
+
     def _check(self, args: list[Any], values: dict[sympy.Symbol, int]) -> None:
-        """Refuse a call whose sizes disagree with the graph's symbolic sizes (``2*s0`` against 5)."""
-        for meta, actual in zip(self._metas, args, strict=True):
-            if isinstance(meta, torch.Tensor) and shape_at(meta, values) != tuple(actual.shape):
-                raise UnsupportedOpError(f"input of shape {tuple(actual.shape)} does not satisfy the symbolic "
-                                         f"shape {tuple(meta.shape)} (evaluates to {shape_at(meta, values)})")
+        """Refuse a call whose sizes disagree with the graph's symbolic sizes (``2*s0`` against 5); a value
+        saved for a bucketed backward may be padded past them (to its forward's bucket)."""
+        for position, (meta, actual) in enumerate(zip(self._metas, args, strict=True)):
+            if not isinstance(meta, torch.Tensor):
+                continue
+            expected = shape_at(meta, values)
+            if expected == tuple(actual.shape) or (
+                    position in self._may_arrive_padded and actual.dim() == len(expected)
+                    and all(have >= want for have, want in zip(actual.shape, expected, strict=True))):
+                continue
+            raise UnsupportedOpError(f"input of shape {tuple(actual.shape)} does not satisfy the symbolic "
+                                     f"shape {tuple(meta.shape)} (evaluates to {expected})")
 
     def _output(self, result: Any, rule: tuple[str, Any], args: list[Any], values: dict) -> Any:
         kind, detail = rule
