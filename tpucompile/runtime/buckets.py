@@ -33,6 +33,7 @@ from tpucompile.contracts.size_expressions import (
 )
 from tpucompile.errors import UnsupportedOpError
 from tpucompile.metrics import compile_stats as stats
+from tpucompile.runtime import host_copies
 from tpucompile.runtime.input_views import input_views, replace_views
 from tpucompile.runtime.specialize import call_signature, keep_bounded
 
@@ -177,7 +178,7 @@ class BucketedGraph:
         runner, shapes = entry
         padded = list(full)
         for position, _ in self._padded:
-            padded[position] = _pad(full[position], shapes[position])
+            padded[position] = host_copies.pad(full[position], shapes[position])
         sizes = [size_tensor(values[s]) for s in self.symbols]
         results = runner([*padded, *sizes])
         kept = self._kept_padded_from()
@@ -230,7 +231,7 @@ class BucketedGraph:
             for dim, expr in detail:
                 actual[dim] = evaluate(expr, values)
             if actual != list(result.shape):  # a copy, never a view: AOTAutograd replays an output that aliases
-                return result[tuple(slice(0, n) for n in actual)].clone()  # an input from the output's base
+                return host_copies.cut(result, actual)  # an input from the output's base
         return result
 
     def _specialize(self, bucket: Bucket, values: dict[sympy.Symbol, int]) -> tuple[Callable, dict]:
@@ -269,12 +270,3 @@ def size_tensor(value: int) -> torch.Tensor:
     """The size argument ``value`` as a tensor, one per value: a call with the sizes of the previous one passes
     the same tensors, whose device buffers the executable reuses instead of importing new ones."""
     return torch.tensor(value, dtype=SIZE_DTYPE)
-
-
-def _pad(tensor: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    """``tensor`` with zeros appended at the end of each dimension up to ``shape`` (one ``constant_pad_nd``)."""
-    if tuple(tensor.shape) == shape:
-        return tensor
-    widths = [width for have, want in zip(reversed(tensor.shape), reversed(shape), strict=True)
-              for width in (0, want - have)]
-    return torch.nn.functional.pad(tensor, widths)
