@@ -69,6 +69,14 @@ class Options:
     (``linear`` on a (batch, sequence, features) input) as the unmerged tensor, instead of the merge, which
     XLA's padder compiles into packing the actual rows on every call (``lowering/unmerged.py``)."""
 
+    bucket_products_on_padding: bool | str = "auto"
+    """In bucketed programs, a product of an unmerged view whose runtime-sized dimensions are all free
+    (``linear``'s forward) runs over the whole bucket, its operand's runtime sizes dropped and its result
+    marked again: XLA's CPU compiler would merge the free dimensions and pack the actual rows before it and
+    unpack them after, on every call (``lowering/unmerged.py``). "auto": for programs lowered for the CPU,
+    where it makes a step faster; XLA's TPU compiler keeps such products unmerged, and runs the whole-bucket
+    form a few percent slower by its estimate (``docs/benchmarks.md``)."""
+
     bucket_fixed_shapes_in_place: bool = True
     """In bucketed programs, a runtime-sized value that has to leave XLA's size tracking (a program result,
     such as each value a training forward saves for its backward; an FFT's or a sort's operand) is given a
@@ -310,7 +318,7 @@ def parse_size(text: str) -> int:
 def _check_type(name: str, value: Any, annotation: str) -> Any:
     if name == "activation_memory_budget":
         return _activation_budget(value)
-    if name in ("narrow_products", "roll_layers"):
+    if name in ("narrow_products", "roll_layers", "bucket_products_on_padding"):
         return _bool_or_auto(name, value)
     if name in _CHOICES and value not in _CHOICES[name]:
         raise OptionsError(f"tpucompile option {name!r} must be one of {', '.join(_CHOICES[name])}, got {value!r}")
@@ -402,6 +410,12 @@ def narrow_products_for(setting: bool | str, role: str) -> bool:
     """Whether the program of an AOTAutograd graph of ``role`` ("inference", "forward" or "backward")
     writes its products narrow under the ``narrow_products`` ``setting``."""
     return setting if isinstance(setting, bool) else role != "backward"
+
+
+def products_on_padding_for(setting: bool | str, platform: str) -> bool:
+    """Whether bucketed programs lowered for ``platform`` run products over the whole bucket under the
+    ``bucket_products_on_padding`` ``setting``."""
+    return setting if isinstance(setting, bool) else platform == "cpu"
 
 
 def compact_embedding_grad_for(setting: bool, mesh: Any) -> bool:

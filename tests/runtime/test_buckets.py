@@ -358,8 +358,9 @@ def test_views_and_lookups_stay_on_buckets(op, caplog, seeded):
 
 
 @pytest.mark.parametrize("switches", [{}, {"bucket_unmerged_products": False},
-                                      {"bucket_fixed_shapes_in_place": False}, {"bucket_saved_padded": False}],
-                         ids=["default", "merged-views", "results-copied", "saved-cut"])
+                                      {"bucket_fixed_shapes_in_place": False}, {"bucket_saved_padded": False},
+                                      {"bucket_products_on_padding": False}],
+                         ids=["default", "merged-views", "results-copied", "saved-cut", "products-packed"])
 def test_llama_training_on_buckets(switches, caplog, seeded):
     from llama import Llama, LlamaConfig
 
@@ -409,6 +410,32 @@ def test_products_of_merged_views_take_the_unmerged_tensor(unmerged, seeded):
     assert len(products) == 1
     assert ("tensor<2x16x8xf32>" in products[0]) == unmerged
     assert ("tensor<32x8xf32>" in products[0]) == (not unmerged)
+
+
+@pytest.mark.parametrize("on_padding", [True, False], ids=["whole-bucket", "packed"])
+def test_products_over_free_runtime_dimensions_run_over_the_whole_bucket(on_padding, seeded):
+    """A linear on (2, s, 8) with s runtime-sized: each result row depends on its own input row, so the
+    product runs over the whole bucket (its operand's sizes dropped, its result marked again) and XLA's CPU
+    compiler, which merges the free dimensions, has no rows to pack before it or unpack after; with the
+    switch off it packs them (gathers). The results, and a sum over s after the product (which must not
+    count the padding rows), match eager either way."""
+    events = []
+    remove = driver.add_observer(events.append)
+    try:
+        weight = torch.randn(6, 8)
+        f = lambda x: torch.nn.functional.linear(x, weight).exp().sum(1)  # noqa: E731
+        compiled = torch.compile(f, backend="tpucompile",
+                                 options={**BUCKETED, "cache_mode": "off", "bucket_products_on_padding": on_padding})
+        for n in (5, 7):
+            x = torch.randn(2, n, 8)
+            torch._dynamo.mark_dynamic(x, 1)
+            assert_close_tree(compiled(x), f(x))
+    finally:
+        remove()
+    (event,) = events
+    optimized = "\n".join(m.to_string() for m in event.executable.hlo_modules())
+    assert (" gather(" in optimized) == (not on_padding)
+    assert ('"stablehlo.scatter"(' in event.program.text()) == on_padding
 
 
 class _SavesInnerPadded(torch.nn.Module):
@@ -475,8 +502,9 @@ def test_values_saved_for_the_backward_leave_the_forward_uncopied(seeded):
         events = _train_saves_inner_padded(in_place)
         forwards = [e for e in events if e.name.endswith("(forward)")]
         (lowered,) = {e.program.text() for e in forwards}
-        # the output and the 7 runtime-sized values saved for the backward (one more is of fixed shape)
-        assert lowered.count('"stablehlo.scatter"(') == (8 if in_place else 0)
+        # the output and the 7 runtime-sized values saved for the backward (one more is of fixed shape); the
+        # two linears' operands drop their sizes the same way either way (bucket_products_on_padding)
+        assert lowered.count('"stablehlo.scatter"(') == (8 if in_place else 0) + 2
         assert lowered.count('"stablehlo.gather"(') == (0 if in_place else 8)
         assert {e.target for e in forwards} == {None, "tpu:v5e:1x1"}
         for event in events:  # this machine's programs and the TPU's

@@ -61,6 +61,7 @@ def encode_graph(gm: torch.fx.GraphModule, bindings: ShapeBindings, values: bool
         encoded["runtime_sizes"] = sorted(str(s) for s in bindings.runtime)
         encoded["unmerged_products"] = bindings.unmerged_products
         encoded["fixed_in_place"] = bindings.fixed_in_place
+        encoded["products_on_padding"] = bindings.products_on_padding
     return digest(canonical_json(encoded)), digest(canonical_json({"locations": locations}))
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import operator
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -123,7 +124,8 @@ class _GraphLowering:
         self.narrow_products = narrow_products
         self.narrow_elementwise = narrow_elementwise
         self.bindings = ShapeBindings(  # a copy: data-dependent sizes get bound to their bounds below
-            dict(bindings.values), bindings.runtime, bindings.unmerged_products, bindings.fixed_in_place)
+            dict(bindings.values), bindings.runtime, bindings.unmerged_products, bindings.fixed_in_place,
+            bindings.products_on_padding)
         self.runtime = bindings.runtime
         self.sizes: dynamic_sizes.SizeValues | None = None
         """The values of runtime size expressions, in a bucketed program."""
@@ -243,6 +245,18 @@ class _GraphLowering:
         return (dynamic_sizes.static_result(value, self.bindings.spec(node.meta["val"]), dims,
                                             self.bindings.fixed_in_place) if dims else value)
 
+    @functools.cached_property
+    def _on_padding(self) -> unmerged.OnPadding:
+        """How products run over the whole bucket drop their operand's runtime sizes and mark their result."""
+        def drop(value: ir.Value, dims: list[int]) -> ir.Value:
+            return dynamic_sizes.fixed_shape(value, dims, in_place=True)
+
+        def mark(value: ir.Value, dims: list[tuple[int, sympy.Expr]]) -> ir.Value:
+            spec = TensorSpec(tuple(builder.shape_of(value)), builder.dtype_of(value))
+            return dynamic_sizes.mark_dynamic(value, spec, dims, self.sizes)
+
+        return unmerged.OnPadding(drop, mark)
+
     def _marked(self, val: Any, value: Any) -> Any:
         """``value`` with its runtime-sized dimensions marked (``dynamic_sizes``), element-wise for the results
         of an op with several."""
@@ -359,7 +373,8 @@ class _GraphLowering:
         padded = rule.bound is not None
         symbol = self._bind_data_dependent_size(node, rule.bound) if padded else None
         if self.sizes is not None and self.bindings.unmerged_products:
-            kept = unmerged.lower(node, self.env, self.runtime, _tensor_dtype(val))
+            kept = unmerged.lower(node, self.env, self.runtime, _tensor_dtype(val),
+                                  self._on_padding if self.bindings.products_on_padding else None)
             if kept is not None:
                 with _location(node):
                     return kept

@@ -31,7 +31,7 @@ class ShapeBindings:
 
     def __init__(
         self, values: dict[sympy.Symbol, int] | None = None, runtime: frozenset[sympy.Symbol] = frozenset(),
-        unmerged_products: bool = True, fixed_in_place: bool = True,
+        unmerged_products: bool = True, fixed_in_place: bool = True, products_on_padding: bool = True,
     ) -> None:
         self.values: dict[sympy.Symbol, sympy.Expr] = {k: sympy.sympify(v) for k, v in (values or {}).items()}
         self.runtime = frozenset(runtime)
@@ -41,6 +41,9 @@ class ShapeBindings:
         """With ``runtime`` symbols: matrix products take merged views unmerged (``lowering.unmerged``)."""
         self.fixed_in_place = fixed_in_place
         """With ``runtime`` symbols: values leave XLA's size tracking uncopied (``dynamic_sizes.fixed_shape``)."""
+        self.products_on_padding = products_on_padding
+        """With ``runtime`` symbols: unmerged products whose runtime-sized dimensions are all free run over the
+        whole bucket (``lowering.unmerged.OnPadding``)."""
 
     @classmethod
     def from_inputs(cls, metas: Sequence[Any], actuals: Sequence[Any]) -> ShapeBindings:

@@ -8,12 +8,20 @@ gather. Neither is needed: a ``dot_general`` contracts ``k`` with ``b`` and ``s`
 weight's gradient contracts over ``b`` and ``s`` together. So in a bucketed program such a view is kept as
 its unmerged value (``Unmerged``), matrix products take it as it is, a view back to the leading sizes takes
 the value itself, and anything else gets the merged value (XLA's packing, exact, slower).
+
+XLA's CPU compiler still merges a product's free dimensions into one before it runs it, and packs the rows
+again there. Where the runtime-sized dimensions are all free (``linear``'s forward, not the weight's
+gradient, which sums over them), each result row depends on its own operand row alone, so the product may as
+well run over the whole bucket: with ``OnPadding`` the operand's sizes are dropped before the product (the
+padding rows then cost their flops) and the result is marked with them after.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+from collections.abc import Callable
 from typing import Any
 
 import sympy
@@ -28,6 +36,15 @@ aten = torch.ops.aten
 
 _VIEWS = frozenset({aten.view.default, aten._unsafe_view.default, aten.reshape.default})
 _TRANSPOSES = frozenset({aten.t.default, aten.permute.default, aten.transpose.int})
+
+
+@dataclasses.dataclass(frozen=True)
+class OnPadding:
+    """How the lowering drops a value's runtime sizes along some dimensions (``dynamic_sizes.fixed_shape``)
+    and marks them again (``dynamic_sizes.mark_dynamic``), for products run over the whole bucket."""
+
+    drop: Callable[[ir.Value, list[int]], ir.Value]
+    mark: Callable[[ir.Value, list[tuple[int, sympy.Expr]]], ir.Value]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,8 +80,10 @@ def _packs(node: torch.fx.Node, runtime: frozenset[sympy.Symbol]) -> bool:
     return any(expr.free_symbols & runtime for expr in lead[1:])
 
 
-def lower(node: torch.fx.Node, env: dict, runtime: frozenset[sympy.Symbol], out_dtype: torch.dtype | None) -> Any:
-    """``node`` lowered with its unmerged operands, or None when it is not one this module handles."""
+def lower(node: torch.fx.Node, env: dict, runtime: frozenset[sympy.Symbol], out_dtype: torch.dtype | None,
+          on_padding: OnPadding | None = None) -> Any:
+    """``node`` lowered with its unmerged operands, or None when it is not one this module handles; products
+    whose runtime-sized dimensions are all free run over the whole bucket with ``on_padding``."""
     if _packs(node, runtime):
         source = node.args[0]
         value = env[source]
@@ -87,23 +106,42 @@ def lower(node: torch.fx.Node, env: dict, runtime: frozenset[sympy.Symbol], out_
             return None
         shape = builder.shape_of(first.value)
         return builder.reshape(first.value, (*shape[:len(first.lead)], *(int(s) for s in trailing)))
+    padded = None
+    if on_padding is not None:
+        padded = functools.partial(_on_padding, on_padding, runtime)
     if node.target is aten.mm.default:
-        return _product(operands[0], operands[1], out_dtype)
+        return _product(operands[0], operands[1], out_dtype, padded=padded)
     if node.target is aten.addmm.default and not node.kwargs:
-        return _product(operands[1], operands[2], out_dtype, bias=env[node.args[0]])
+        return _product(operands[1], operands[2], out_dtype, bias=env[node.args[0]], padded=padded)
     return None
 
 
-def _product(lhs: Any, rhs: Any, out_dtype: torch.dtype | None, bias: Any = None) -> Any:
-    """``lhs @ rhs (+ bias)`` where either is unmerged; None for a pairing not handled."""
+def _on_padding(on_padding: OnPadding, runtime: frozenset[sympy.Symbol], operand: Unmerged,
+                product: Callable[[ir.Value], ir.Value]) -> ir.Value:
+    """``product`` of ``operand``'s value with its runtime sizes dropped, its result marked with them."""
+    dims = [(d, expr) for d, expr in enumerate(operand.lead_sizes) if expr.free_symbols & runtime]
+    if not dims:
+        return product(operand.value)
+    return on_padding.mark(product(on_padding.drop(operand.value, [d for d, _ in dims])), dims)
+
+
+def _product(lhs: Any, rhs: Any, out_dtype: torch.dtype | None, bias: Any = None,
+             padded: Callable[[Unmerged, Callable[[ir.Value], ir.Value]], ir.Value] | None = None) -> Any:
+    """``lhs @ rhs (+ bias)`` where either is unmerged; None for a pairing not handled. ``padded``: how a
+    product whose runtime-sized dimensions are all free runs over the whole bucket."""
     if isinstance(lhs, Unmerged) and not lhs.transposed and isinstance(rhs, ir.Value) and not isinstance(
             bias, Unmerged):
         rank = len(lhs.lead) + 1
-        result = _dot(lhs.value, rhs, ((rank - 1,), (0,)), out_dtype)
-        if bias is not None:
-            acc = builder.dtype_of(result)
-            result = hlo.add(result, builder.broadcast_to(builder.convert(bias, acc), builder.shape_of(result)))
-        return Unmerged(builder.convert(result, out_dtype), lhs.lead, lhs.lead_sizes)
+
+        def product(value: ir.Value) -> ir.Value:
+            result = _dot(value, rhs, ((rank - 1,), (0,)), out_dtype)
+            if bias is not None:
+                acc = builder.dtype_of(result)
+                result = hlo.add(result, builder.broadcast_to(builder.convert(bias, acc), builder.shape_of(result)))
+            return builder.convert(result, out_dtype)
+
+        value = product(lhs.value) if padded is None else padded(lhs, product)
+        return Unmerged(value, lhs.lead, lhs.lead_sizes)
     if (isinstance(lhs, Unmerged) and lhs.transposed and isinstance(rhs, Unmerged) and not rhs.transposed
             and lhs.lead == rhs.lead and lhs.lead_sizes == rhs.lead_sizes and bias is None):
         dims = tuple(range(len(lhs.lead)))
