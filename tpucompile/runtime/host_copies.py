@@ -4,18 +4,23 @@ A bucketed call pads its inputs to the bucket and cuts its results back to their
 torch ops, a copy of more than torch's grain size runs as an OpenMP parallel region, after which torch's pool
 threads spin waiting for more work (OpenMP's default wait policy) while XLA's own threads run the next
 program on the same cores: on a 2-core machine each such copy made the next execution about 2 ms slower,
-doubling a small model's bucketed step. These copies run on the calling thread through numpy instead, which
-has no pool; they are a few hundred microseconds at most at the sizes a bucket pads.
+doubling a small model's bucketed step. Copies of more than that size run on the calling thread through
+numpy instead, which has no pool; they are a few hundred microseconds at most at the sizes a bucket pads.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 
 _SAME_SIZE_INTEGERS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+SERIAL_ELEMENTS = 32768
+"""torch's grain size (``at::internal::GRAIN_SIZE``): smaller copies run on the calling thread in torch too, and
+torch's ops cost less per call than numpy's there."""
 
 
 def _as_numpy(tensor: torch.Tensor) -> np.ndarray:
@@ -30,7 +35,7 @@ def _as_numpy(tensor: torch.Tensor) -> np.ndarray:
 
 def cut(tensor: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
     """A new contiguous tensor holding ``tensor``'s leading ``shape`` (each dimension cut at its end)."""
-    if tensor.device.type != "cpu":  # meta tensors of a compile-only run
+    if tensor.device.type != "cpu" or math.prod(shape) < SERIAL_ELEMENTS:  # or meta tensors of a compile-only run
         return tensor[tuple(slice(0, n) for n in shape)].clone()
     out = torch.empty(tuple(shape), dtype=tensor.dtype)
     np.copyto(_as_numpy(out), _as_numpy(tensor)[tuple(slice(0, n) for n in shape)])
@@ -43,7 +48,7 @@ def pad(tensor: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
     shape = tuple(shape)
     if tuple(tensor.shape) == shape:
         return tensor
-    if tensor.device.type != "cpu":
+    if tensor.device.type != "cpu" or math.prod(shape) < SERIAL_ELEMENTS:
         widths = [(0, want - have) for have, want in zip(reversed(tensor.shape), reversed(shape), strict=True)]
         return torch.nn.functional.pad(tensor, [w for pair in widths for w in pair])
     source = _as_numpy(tensor)
