@@ -80,8 +80,9 @@ class Options:
     bucket_fixed_shapes_in_place: bool = True
     """In bucketed programs, a runtime-sized value that has to leave XLA's size tracking (a program result,
     such as each value a training forward saves for its backward; an FFT's or a sort's operand) is given a
-    fixed shape where it lies, padding included, by an annotation that compiles to nothing; False copies it
-    through an identity gather (``lowering/dynamic_sizes.fixed_shape``)."""
+    fixed shape where it lies, padding included, by a scatter over a constant that XLA's padder makes static
+    and its simplifier removes; False copies it through an identity gather (``lowering/dynamic_sizes``), as
+    programs lowered for platforms other than ``FIXED_IN_PLACE_PLATFORMS`` always do."""
 
     bucket_saved_padded: bool = True
     """A bucketed forward hands the values it saves for a bucketed backward over padded to its bucket, as its
@@ -410,6 +411,17 @@ def narrow_products_for(setting: bool | str, role: str) -> bool:
     """Whether the program of an AOTAutograd graph of ``role`` ("inference", "forward" or "backward")
     writes its products narrow under the ``narrow_products`` ``setting``."""
     return setting if isinstance(setting, bool) else role != "backward"
+
+
+FIXED_IN_PLACE_PLATFORMS = frozenset({"cpu", "tpu"})
+"""Platforms whose XLA was seen to give a scatter over a constant a fixed shape (``bucket_fixed_shapes_in_place``;
+``tests/runtime/test_buckets.py`` checks the CPU's and a TPU target's compiled programs)."""
+
+
+def fixed_shapes_in_place_for(setting: bool, platform: str) -> bool:
+    """Whether bucketed programs lowered for ``platform`` give runtime-sized results a fixed shape in place
+    under the ``bucket_fixed_shapes_in_place`` ``setting``: elsewhere (a GPU, not checked) they are copied."""
+    return setting and platform in FIXED_IN_PLACE_PLATFORMS
 
 
 def products_on_padding_for(setting: bool | str, platform: str) -> bool:

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from tpucompile.config import Options, products_on_padding_for
+from tpucompile.config import Options, fixed_shapes_in_place_for, products_on_padding_for
 from tpucompile.contracts.saved_handoff import SAVED_HANDOFF
 from tpucompile.contracts.size_expressions import runtime_symbols
 from tpucompile.driver.executable_assembly import build_executable
@@ -39,9 +39,11 @@ def compile_region(
         return build(ShapeBindings())
     if _bucketable(gm, metas, targets, options, name):  # the bucketed graph pads the constants with the rest
         def build_for_bucket(bounds: dict, runtime: frozenset) -> GraphExecutable:
-            on_padding = products_on_padding_for(options.bucket_products_on_padding, targets.lowered_for.platform)
-            return build(ShapeBindings(bounds, runtime, options.bucket_unmerged_products,
-                                       options.bucket_fixed_shapes_in_place, on_padding), [])
+            platform = targets.lowered_for.platform
+            return build(ShapeBindings(
+                bounds, runtime, options.bucket_unmerged_products,
+                fixed_shapes_in_place_for(options.bucket_fixed_shapes_in_place, platform),
+                products_on_padding_for(options.bucket_products_on_padding, platform)), [])
 
         return BucketedGraph(name, gm, build_for_bucket, lifted_constants, options.buckets,
                              options.bucket_minimum, options.max_shape_specializations,

@@ -249,7 +249,7 @@ class _GraphLowering:
     def _on_padding(self) -> unmerged.OnPadding:
         """How products run over the whole bucket drop their operand's runtime sizes and mark their result."""
         def drop(value: ir.Value, dims: list[int]) -> ir.Value:
-            return dynamic_sizes.fixed_shape(value, dims, in_place=True)
+            return dynamic_sizes.fixed_shape(value, dims, self.bindings.fixed_in_place)
 
         def mark(value: ir.Value, dims: list[tuple[int, sympy.Expr]]) -> ir.Value:
             spec = TensorSpec(tuple(builder.shape_of(value)), builder.dtype_of(value))
