@@ -255,7 +255,7 @@ class _GraphLowering:
             spec = TensorSpec(tuple(builder.shape_of(value)), builder.dtype_of(value))
             return dynamic_sizes.mark_dynamic(value, spec, dims, self.sizes)
 
-        return unmerged.OnPadding(drop, mark)
+        return unmerged.OnPadding(drop, mark, self.runtime)
 
     def _marked(self, val: Any, value: Any) -> Any:
         """``value`` with its runtime-sized dimensions marked (``dynamic_sizes``), element-wise for the results

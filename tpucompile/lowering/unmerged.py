@@ -19,7 +19,6 @@ padding rows then cost their flops) and the result is marked with them after.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -45,6 +44,14 @@ class OnPadding:
 
     drop: Callable[[ir.Value, list[int]], ir.Value]
     mark: Callable[[ir.Value, list[tuple[int, sympy.Expr]]], ir.Value]
+    runtime: frozenset[sympy.Symbol]
+
+    def run(self, operand: Unmerged, product: Callable[[ir.Value], ir.Value]) -> ir.Value:
+        """``product`` of ``operand``'s value with its runtime sizes dropped, its result marked with them."""
+        dims = [(d, expr) for d, expr in enumerate(operand.lead_sizes) if expr.free_symbols & self.runtime]
+        if not dims:
+            return product(operand.value)
+        return self.mark(product(self.drop(operand.value, [d for d, _ in dims])), dims)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,28 +113,16 @@ def lower(node: torch.fx.Node, env: dict, runtime: frozenset[sympy.Symbol], out_
             return None
         shape = builder.shape_of(first.value)
         return builder.reshape(first.value, (*shape[:len(first.lead)], *(int(s) for s in trailing)))
-    padded = None
-    if on_padding is not None:
-        padded = functools.partial(_on_padding, on_padding, runtime)
     if node.target is aten.mm.default:
-        return _product(operands[0], operands[1], out_dtype, padded=padded)
+        return _product(operands[0], operands[1], out_dtype, on_padding=on_padding)
     if node.target is aten.addmm.default and not node.kwargs:
-        return _product(operands[1], operands[2], out_dtype, bias=env[node.args[0]], padded=padded)
+        return _product(operands[1], operands[2], out_dtype, bias=env[node.args[0]], on_padding=on_padding)
     return None
 
 
-def _on_padding(on_padding: OnPadding, runtime: frozenset[sympy.Symbol], operand: Unmerged,
-                product: Callable[[ir.Value], ir.Value]) -> ir.Value:
-    """``product`` of ``operand``'s value with its runtime sizes dropped, its result marked with them."""
-    dims = [(d, expr) for d, expr in enumerate(operand.lead_sizes) if expr.free_symbols & runtime]
-    if not dims:
-        return product(operand.value)
-    return on_padding.mark(product(on_padding.drop(operand.value, [d for d, _ in dims])), dims)
-
-
 def _product(lhs: Any, rhs: Any, out_dtype: torch.dtype | None, bias: Any = None,
-             padded: Callable[[Unmerged, Callable[[ir.Value], ir.Value]], ir.Value] | None = None) -> Any:
-    """``lhs @ rhs (+ bias)`` where either is unmerged; None for a pairing not handled. ``padded``: how a
+             on_padding: OnPadding | None = None) -> Any:
+    """``lhs @ rhs (+ bias)`` where either is unmerged; None for a pairing not handled. ``on_padding``: how a
     product whose runtime-sized dimensions are all free runs over the whole bucket."""
     if isinstance(lhs, Unmerged) and not lhs.transposed and isinstance(rhs, ir.Value) and not isinstance(
             bias, Unmerged):
@@ -140,7 +135,7 @@ def _product(lhs: Any, rhs: Any, out_dtype: torch.dtype | None, bias: Any = None
                 result = hlo.add(result, builder.broadcast_to(builder.convert(bias, acc), builder.shape_of(result)))
             return builder.convert(result, out_dtype)
 
-        value = product(lhs.value) if padded is None else padded(lhs, product)
+        value = product(lhs.value) if on_padding is None else on_padding.run(lhs, product)
         return Unmerged(value, lhs.lead, lhs.lead_sizes)
     if (isinstance(lhs, Unmerged) and lhs.transposed and isinstance(rhs, Unmerged) and not rhs.transposed
             and lhs.lead == rhs.lead and lhs.lead_sizes == rhs.lead_sizes and bias is None):

@@ -117,8 +117,8 @@ class BucketedGraph:
         self.symbols = sorted(runtime_symbols(self._metas), key=str)
         self._sizes = sizes_per_symbol(self.symbols, self._metas, bucket_sizes)
         runtime = frozenset(self.symbols)
-        saved = frozenset(position for position, node in enumerate(placeholders)
-                          if handoff is not None and handoff.role == "backward"
+        backward = handoff is not None and handoff.role == "backward"
+        saved = frozenset(position for position, node in enumerate(placeholders) if backward
                           and isinstance(node.meta.get("val"), torch.Tensor) and is_saved_activation(node.name))
         self._sources = symbol_sources(self._metas, runtime, last=saved)
         self._may_arrive_padded = frozenset()
@@ -163,10 +163,10 @@ class BucketedGraph:
         full = [*args, *self._constants]
         values = read_symbols(self._sources, full)
         signature = call_signature(full)
-        bucket = self.bucket_of(values)
         if signature not in self._checked:
             self._check(full, values)
             self._checked.add(signature)
+        bucket = self.bucket_of(values)
         entry = self._entries.get(bucket)
         if entry is None:
             entry = self._specialize(bucket, values)

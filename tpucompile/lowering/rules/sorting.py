@@ -198,7 +198,7 @@ def _actual_row(x: Value, dim: int, extent: Value | None, in_place: bool) -> tup
     rows = [s for d, s in enumerate(shape) if d != dim]
     if extent is None:
         return x, builder.constant(shape[dim], torch.int64, rows), _nan_count(x, dim)
-    padded = _padding_last(x, dim, extent, False, in_place)
+    padded = _padding_last(x, dim, extent, descending=False, in_place=in_place)
     length = builder.broadcast_to(builder.convert(extent, torch.int64), rows)
     if not builder.dtype_of(x).is_floating_point:
         return padded, length, builder.constant(0, torch.int64, rows)
