@@ -89,6 +89,8 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], config: 
         if compiled is not None:
             return compiled
         recorder = plan_replay.PlanRecorder(components, targets.tiers, len(example_inputs))
+    elif not dump.active() and plan_replay.runs_direct(gm, example_inputs, config):
+        recorder = plan_replay.PlanRecorder(None, targets.tiers, len(example_inputs))
 
     uses = graph_input_uses(gm, example_inputs)
     handoff = SavedHandoff()

@@ -138,6 +138,23 @@ def _table_digest(table: dict[Any, Callable[..., Any]]) -> str:
     return text
 
 
+def runs_direct(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], options: Options) -> bool:
+    """Whether ``gm``, an inference graph with symbolic sizes, may run without AOTAutograd's wrapper once its
+    program is compiled (checked again against AOTAutograd's metadata when it is): a plan kept in this process
+    only, since a warm start needs AOTAutograd's graph to compile each new bucket or size."""
+    if options.compile_only or options.targets or options.mesh is not None or not example_inputs:
+        return False
+    tensors = [x for x in example_inputs if isinstance(x, torch.Tensor)]
+    if any(type(x) not in (torch.Tensor, torch.nn.Parameter) for x in tensors):
+        return False
+    sizes = sum(isinstance(x, torch.SymInt) for x in example_inputs)
+    if len(tensors) + sizes != len(example_inputs) or len({id(x) for x in tensors}) != len(tensors):
+        return False
+    if not sizes and not any(map(_is_symbolic, tensors)):
+        return False
+    return not (torch.is_grad_enabled() and any(x.requires_grad for x in tensors))
+
+
 def _is_symbolic(tensor: torch.Tensor) -> bool:
     return any(isinstance(s, torch.SymInt) for s in (*tensor.shape, *tensor.stride()))
 
@@ -153,8 +170,10 @@ def _describe(tensor: torch.Tensor) -> list[Any]:
 class PlanRecorder:
     """Collects what the compilers AOTAutograd calls produced, and stores the plan once it is complete."""
 
-    def __init__(self, components: dict[str, Any], tiers: artifacts.ArtifactTiers, input_count: int) -> None:
+    def __init__(self, components: dict[str, Any] | None, tiers: artifacts.ArtifactTiers, input_count: int) -> None:
         self.components = components
+        """The plan's key components; None for a symbolic inference graph's plan, kept in this process only
+        (``runs_direct``)."""
         self.tiers = tiers
         self.input_count = input_count
         self.roles: dict[str, dict[str, Any]] = {}
@@ -186,7 +205,7 @@ class PlanRecorder:
             return
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         outputs = _outputs(gm)
-        entry: dict[str, Any] = {"program": compiled.program_key, "inputs": len(placeholders),
+        entry: dict[str, Any] = {"program": getattr(compiled, "program_key", None), "inputs": len(placeholders),
                                  "outputs": len(outputs)}
         if role in ("inference", "forward"):
             metadata = torch._guards.TracingContext.get().fw_metadata
@@ -201,10 +220,15 @@ class PlanRecorder:
             self._store()
 
     def _unplannable(self, role: str, gm: torch.fx.GraphModule, compiled: Any) -> str | None:
-        if not isinstance(compiled, GraphExecutable) or compiled.program_key is None:
-            return "not a single static program"
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        if not all(isinstance(n.meta.get("val"), torch.Tensor) for n in placeholders):
+        if self.components is None:  # symbolic sizes: the graph's own dispatcher, and only for inference
+            if role != "inference" or not getattr(compiled, "_boxed_call", False):
+                return "symbolic sizes outside an inference graph"
+            if not all(isinstance(n.meta.get("val"), (torch.Tensor, torch.SymInt)) for n in placeholders):
+                return "graph inputs other than tensors and sizes"
+        elif not isinstance(compiled, GraphExecutable) or compiled.program_key is None:
+            return "not a single static program"
+        elif not all(isinstance(n.meta.get("val"), torch.Tensor) for n in placeholders):
             return "non-tensor graph inputs"
         if role == "backward":
             return None
@@ -254,7 +278,8 @@ class PlanRecorder:
             self.runner = _training_runner(self.roles, self.executables["forward"], self.executables["backward"])
         else:
             self.runner = _inference_runner(self.executables["inference"])
-        artifacts.store_plan(self.components, plan, time.perf_counter() - self.start, self.tiers)
+        if self.components is not None:
+            artifacts.store_plan(self.components, plan, time.perf_counter() - self.start, self.tiers)
 
 
 _PLAIN_OUTPUTS = ("non_alias", "unsafe_view_alias")
