@@ -47,7 +47,8 @@ def compile_region(
 
         return BucketedGraph(name, gm, build_for_bucket, lifted_constants, options.buckets,
                              options.bucket_minimum, options.max_shape_specializations,
-                             gm.meta.get(SAVED_HANDOFF) if options.bucket_saved_padded else None)
+                             gm.meta.get(SAVED_HANDOFF) if options.bucket_saved_padded else None,
+                             stage_inputs=options.bucket_staged_inputs)
 
     def build_for_call(args: list[Any]) -> GraphExecutable:
         actual = [*args, *lifted_constants]

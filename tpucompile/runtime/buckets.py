@@ -10,6 +10,7 @@ each result back to its actual sizes. A size above the largest listed bucket get
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import itertools
 import logging
@@ -34,8 +35,12 @@ from tpucompile.contracts.size_expressions import (
 from tpucompile.errors import UnsupportedOpError
 from tpucompile.metrics import compile_stats as stats
 from tpucompile.runtime import host_copies
+from tpucompile.runtime.executable import GraphExecutable
 from tpucompile.runtime.input_views import input_views, replace_views
-from tpucompile.runtime.specialize import call_signature, keep_bounded
+from tpucompile.runtime.resident import shares_host_memory
+from tpucompile.runtime.specialize import keep_bounded
+from tpucompile.runtime.staged_inputs import StagedInput
+from tpucompile.runtime.transfer import to_tensor
 
 log = logging.getLogger("tpucompile")
 
@@ -105,6 +110,7 @@ class BucketedGraph:
         bucket_minimum: int,
         max_entries: int,
         handoff: HandoffEnd | None = None,
+        stage_inputs: bool = True,
     ) -> None:
         self._boxed_call = True  # AOTAutograd passes the arguments as one list
         self.name = name
@@ -130,11 +136,14 @@ class BucketedGraph:
         self._handoff = handoff.handoff if handoff is not None and handoff.role == "forward" else None
         self._padded = [(position, symbolic_dims(meta, runtime)) for position, meta in enumerate(self._metas)
                         if isinstance(meta, torch.Tensor) and symbolic_dims(meta, runtime)]
-        self._outputs = [self._output_rule(out, placeholders, runtime) for out in _graph_outputs(gm)]
+        self._outputs_rules = [self._output_rule(out, placeholders, runtime) for out in _graph_outputs(gm)]
         self._views = input_views(gm)
-        self._entries: collections.OrderedDict[Bucket, tuple[Callable, dict[int, tuple[int, ...]]]] = (
-            collections.OrderedDict())
-        self._checked: set[Any] = set()
+        self._entries: collections.OrderedDict[Bucket, _BucketEntry] = collections.OrderedDict()
+        self._calls: dict[tuple[Any, ...], _Call] = {}
+        """Per set of argument sizes seen, what a call with them runs (``_prepare``)."""
+        self._key_tensors = [position for position, _ in self._padded]
+        self._key_sizes = sorted({position for position, dim in self._sources.values() if dim is None})
+        self._stage = stage_inputs
         self._last: Bucket | None = None
         self.recompiles: list[str] = []
         """The reason of every compile after the first, in order."""
@@ -161,11 +170,72 @@ class BucketedGraph:
 
     def __call__(self, args: list[Any]) -> list[Any]:
         full = [*args, *self._constants]
+        call = self._calls.get((*(full[p].shape for p in self._key_tensors), *(full[p] for p in self._key_sizes)))
+        if call is None:
+            call = self._prepare(full)
+        else:
+            if self._last != call.bucket:
+                self._entries.move_to_end(call.bucket)
+                self._last = call.bucket
+            stats.record_bucket_hit(self.name)
+        entry = call.entry
+        padded = list(full)
+        held = []
+        try:
+            for position, shape, staged in entry.pads:
+                if staged is not None and staged.take(full[position]):
+                    held.append(staged)
+                    padded[position] = staged.tensor
+                else:
+                    padded[position] = host_copies.pad(full[position], shape)
+            if entry.direct:
+                results = entry.runner.execute([*padded, *call.sizes])
+            else:
+                results = entry.runner([*padded, *call.sizes])
+        finally:
+            for staged in held:
+                staged.release()
+        outputs = self._outputs(call, results, full)
+        return replace_views(outputs, self._views, full, call.values) if self._views else outputs
+
+    def _outputs(self, call: _Call, results: Sequence[Any], args: list[Any]) -> list[Any]:
+        """The call's outputs from the program's results: each runtime-sized one cut to its actual sizes,
+        but a forward's saved values left padded for a backward that takes them so."""
+        cuts = call.cuts
+        if cuts is None:
+            cuts = call.cuts = [self._cut_shape(result, rule, call.values)
+                                for result, rule in zip(results, self._outputs_rules, strict=True)]
+        kept = self._kept_padded_from()
+        direct = call.entry.direct
+        runner = call.entry.runner
+        outputs = []
+        for index, (result, (kind, detail), cut) in enumerate(zip(results, self._outputs_rules, cuts, strict=True)):
+            if kind == "input":
+                outputs.append(args[detail])
+            elif kind == "size":
+                outputs.append(evaluate(detail, call.values))
+            elif cut is not None and index < kept:  # a copy, never a view: AOTAutograd replays an output that
+                outputs.append(host_copies.cut(to_tensor(result) if direct else result, cut))  # aliases an input
+            else:  # from the output's base
+                outputs.append(runner.export(result) if direct else result)
+        return outputs
+
+    @staticmethod
+    def _cut_shape(result: Any, rule: tuple[str, Any], values: dict[sympy.Symbol, int]) -> tuple[int, ...] | None:
+        """The actual shape of a runtime-sized result, None when it has no padding to cut."""
+        kind, detail = rule
+        if kind != "tensor" or not detail:
+            return None
+        actual = list(result.shape)
+        for dim, expr in detail:
+            actual[dim] = evaluate(expr, values)
+        return tuple(actual) if actual != list(result.shape) else None
+
+    def _prepare(self, full: list[Any]) -> _Call:
+        """What calls with ``full``'s sizes run: their bucket's executable (compiled now if it is new), the
+        size arguments, and later the shapes their results are cut to."""
         values = read_symbols(self._sources, full)
-        signature = call_signature(full)
-        if signature not in self._checked:
-            self._check(full, values)
-            self._checked.add(signature)
+        self._check(full, values)
         bucket = self.bucket_of(values)
         entry = self._entries.get(bucket)
         if entry is None:
@@ -175,16 +245,11 @@ class BucketedGraph:
                 self._entries.move_to_end(bucket)
             stats.record_bucket_hit(self.name)
         self._last = bucket
-        runner, shapes = entry
-        padded = list(full)
-        for position, _ in self._padded:
-            padded[position] = host_copies.pad(full[position], shapes[position])
-        sizes = [size_tensor(values[s]) for s in self.symbols]
-        results = runner([*padded, *sizes])
-        kept = self._kept_padded_from()
-        outputs = [result if index >= kept and rule[0] == "tensor" else self._output(result, rule, full, values)
-                   for index, (result, rule) in enumerate(zip(results, self._outputs, strict=True))]
-        return replace_views(outputs, self._views, full, values) if self._views else outputs
+        call = _Call(bucket, entry, values, [size_tensor(values[s]) for s in self.symbols])
+        if len(self._calls) >= _MAX_CALLS:
+            self._calls.clear()
+        self._calls[(*(full[p].shape for p in self._key_tensors), *(full[p] for p in self._key_sizes))] = call
+        return call
 
     def fill(self, sizes: Sequence[int]) -> list[Bucket]:
         """Compile (or load from the cache) the executable of every bucket whose sizes are all in ``sizes``
@@ -203,7 +268,7 @@ class BucketedGraph:
         them so (``contracts/saved_handoff``); past the last output otherwise."""
         handoff = self._handoff
         if handoff is None or not handoff.backward_takes_padded or handoff.returns is None:
-            return len(self._outputs)
+            return len(self._outputs_rules)
         return handoff.returns
 
     def _check(self, args: list[Any], values: dict[sympy.Symbol, int]) -> None:
@@ -220,20 +285,6 @@ class BucketedGraph:
             raise UnsupportedOpError(f"input of shape {tuple(actual.shape)} does not satisfy the symbolic "
                                      f"shape {tuple(meta.shape)} (evaluates to {expected})")
 
-    def _output(self, result: Any, rule: tuple[str, Any], args: list[Any], values: dict) -> Any:
-        kind, detail = rule
-        if kind == "input":
-            return args[detail]
-        if kind == "size":
-            return evaluate(detail, values)
-        if kind == "tensor" and detail and isinstance(result, torch.Tensor):
-            actual = list(result.shape)
-            for dim, expr in detail:
-                actual[dim] = evaluate(expr, values)
-            if actual != list(result.shape):  # a copy, never a view: AOTAutograd replays an output that aliases
-                return host_copies.cut(result, actual)  # an input from the output's base
-        return result
-
     def _specialize(self, bucket: Bucket, values: dict[sympy.Symbol, int]) -> tuple[Callable, dict]:
         bounds = dict(zip(self.symbols, bucket, strict=True))
         described = ", ".join(f"{s}={values[s]} -> bucket {b}" for s, b in bounds.items())
@@ -244,13 +295,50 @@ class BucketedGraph:
                      len(self._entries) + 1)
         return self._compile(bucket)
 
-    def _compile(self, bucket: Bucket) -> tuple[Callable, dict]:
+    def _compile(self, bucket: Bucket) -> _BucketEntry:
         bounds = dict(zip(self.symbols, bucket, strict=True))
-        shapes = {position: shape_at(self._metas[position], bounds) for position, _ in self._padded}
-        entry = (self._build(bounds, frozenset(self.symbols)), shapes)
+        runner = self._build(bounds, frozenset(self.symbols))
+        direct = isinstance(runner, GraphExecutable) and runner.returns_results_in_order
+        stage = self._stage and direct and shares_host_memory(runner.device)
+        donated = {runner.input_positions[slot] for slot in runner.donated_slots} if direct else set()
+        pads = []
+        for position, _ in self._padded:
+            shape = shape_at(self._metas[position], bounds)
+            meta = self._metas[position]
+            staged = StagedInput(shape, meta.dtype) if stage and position not in donated else None
+            pads.append((position, shape, staged))
+        entry = _BucketEntry(runner, pads, direct)
         keep_bounded(self._entries, bucket, entry, self._max_entries, f"{self.name} dropped the executable for bucket")
+        self._calls.clear()  # a call prepared for a dropped bucket would keep its executable alive
         return entry
 
+
+@dataclasses.dataclass
+class _BucketEntry:
+    """One bucket's executable and how its padded inputs are made: per runtime-sized argument, its position,
+    its shape in the bucket and the tensor it is written into (``staged_inputs``), or None to pad a new one.
+    ``direct``: the runner is one executable whose results are the outputs in order, taken as device buffers
+    so that a result cut to its actual sizes is not first exported and counted."""
+
+    runner: Any
+    pads: list[tuple[int, tuple[int, ...], StagedInput | None]]
+    direct: bool
+
+
+@dataclasses.dataclass
+class _Call:
+    """What a call with one set of argument sizes runs: its bucket, the bucket's entry, the symbols' values,
+    the size arguments, and per output the shape it is cut to (None: not cut), known after the first call."""
+
+    bucket: Bucket
+    entry: _BucketEntry
+    values: dict[sympy.Symbol, int]
+    sizes: list[torch.Tensor]
+    cuts: list[tuple[int, ...] | None] | None = None
+
+
+_MAX_CALLS = 4096
+"""Sets of sizes whose calls are remembered per graph; past it they are prepared again."""
 
 _LIVE: weakref.WeakSet[BucketedGraph] = weakref.WeakSet()
 

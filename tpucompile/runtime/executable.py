@@ -171,6 +171,21 @@ class GraphExecutable:
         (``donate``), so that donated slots may take them over."""
         return self._outputs(self.loaded.execute(self.buffers(args, donate)), args, len(self.output_plan))
 
+    @property
+    def returns_results_in_order(self) -> bool:
+        """Whether the outputs are the program's results, one each, in order (no argument returned as it is,
+        no result trimmed): what ``execute`` gives then maps one to one onto the outputs."""
+        return self._results_in_order
+
+    def execute(self, args: list[Any]) -> list[Any]:
+        """The program's results as device buffers, neither exported nor counted: for a caller that turns
+        each into a tensor of its own at once (``export`` for one it hands on as it is)."""
+        return self.loaded.execute(self.buffers(args))
+
+    def export(self, result: Any) -> torch.Tensor:
+        """One of ``execute``'s results as the torch tensor a call would have returned for it."""
+        return self._exported(result)
+
     def call_keeping(self, args: list[Any], first_kept: int) -> list[Any]:
         """Like a call, but the outputs from position ``first_kept`` on that are program results come back as
         device buffers, for a caller that only passes them to another program of this device."""

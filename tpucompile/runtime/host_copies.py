@@ -58,3 +58,21 @@ def pad(tensor: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
     common = tuple(slice(0, min(have, want)) for have, want in zip(tensor.shape, shape, strict=True))
     np.copyto(_as_numpy(out)[common], source[common])
     return out
+
+
+def write_leading(target: torch.Tensor, source: torch.Tensor) -> None:
+    """Copy ``source`` into the leading ``source.shape`` of ``target`` (contiguous, at least as large in every
+    dimension, same dtype)."""
+    region = tuple(slice(0, n) for n in source.shape)
+    if source.device.type != "cpu" or source.numel() < SERIAL_ELEMENTS:
+        target[region].copy_(source)
+        return
+    np.copyto(_as_numpy(target)[region], _as_numpy(source))
+
+
+def zero(target: torch.Tensor) -> None:
+    """Fill the contiguous ``target`` with zeros."""
+    if target.device.type != "cpu" or target.numel() < SERIAL_ELEMENTS:
+        target.zero_()
+        return
+    _as_numpy(target).fill(0)
