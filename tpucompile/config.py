@@ -94,6 +94,13 @@ class Options:
     into PJRT once, instead of padding a new tensor that is imported on every call (``runtime/staged_inputs``):
     the same values, ~10 us less per call of a small step. False pads a new tensor per call."""
 
+    stacked_layer_outputs: bool = True
+    """Graph outputs that are, together, every layer of one stacked result of a rolled loop (a rolled
+    backward's gradients of the layers' weights) are returned as that stacked result, once, and each output is
+    a view of its layer; False returns each layer as a result of its own, which XLA copies out of the loop's
+    stacked buffer, so the buffer counts among the program's temporaries and they grow with depth
+    (``lowering/graph.py``, ``docs/benchmarks.md``)."""
+
     compact_embedding_grad: bool = True
     """The gradient of a bf16/f16 embedding table is summed in f32 per distinct token id in a buffer of the
     tokens' size, and each id's rounded sum added into a table of the weight's dtype; False takes PyTorch's

@@ -346,7 +346,7 @@ def _training_runner(
     differentiable = roles["forward"]["differentiable"]
     updated = roles["forward"]["updated"]
     first_output = len(updated)
-    saved_kinds = [slot.kind for slot in forward.output_plan[returns:]]
+    saved_kinds = [slot.kind if slot.part is None else "part" for slot in forward.output_plan[returns:]]
     computed_slots = [i for i, kind in enumerate(saved_kinds) if kind == "result"]
     argument_slots = [i for i, kind in enumerate(saved_kinds) if kind != "result"]
     # Compiled autograd traces the backward of Python autograd.Functions with Dynamo: the program call is

@@ -149,6 +149,7 @@ def fully_sharded_runs(initial: torch.nn.Module) -> dict:
     layouts = {
         "fsdp": {"mesh": Mesh({"data": 8}), "shard": "fsdp"},
         "fsdp_tp": {"mesh": both, "shard": fully_sharded(both) + tensor_parallel(both, column=COLUMN, row=ROW)},
+        "fsdp_rolled": {"mesh": Mesh({"data": 8}), "shard": "fsdp", "roll_layers": True},
     }
     report = {}
     for name, options in layouts.items():
@@ -168,6 +169,7 @@ def fully_sharded_runs(initial: torch.nn.Module) -> dict:
             "results_split": split,
             "collectives": [collective_kinds(e.executable) for e in events],
             "parameters": len(single["params"]),
+            "layer_parts": [sum(slot.part is not None for slot in e.program.output_plan) for e in events],
         }
     report["prewarm_keys"] = prewarm_keys()
     return report

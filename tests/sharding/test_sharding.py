@@ -452,6 +452,17 @@ def test_fully_sharded_training_matches_one_device(gpt_runs, layout):
 
 
 @pytest.mark.slow
+def test_rolled_fully_sharded_training_matches_one_device(gpt_runs):
+    """The layers rolled under FSDP: the backward returns each stacked gradient once, gathered from its
+    shards, and every layer's gradient is a view of it; the same values as one device."""
+    run = gpt_runs["fsdp"]["fsdp_rolled"]
+    diff = run["vs_single"]
+    assert diff["logits"] < 1e-5 and diff["losses"] < 1e-5 and diff["gradients"] < 1e-5, diff
+    assert diff["params"] < 1e-4 and diff["state"] < 1e-5, diff
+    assert run["layer_parts"] == [0, 0, 2 * 12, 0], run["layer_parts"]  # 12 weights per block, 2 blocks
+
+
+@pytest.mark.slow
 def test_a_fully_sharded_prewarm_writes_the_keys_a_run_on_real_weights_looks_up(gpt_runs):
     keys = gpt_runs["fsdp"]["prewarm_keys"]
     if "skipped" in keys:

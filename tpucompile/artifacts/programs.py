@@ -54,7 +54,8 @@ def lowered_program(
         with jax_bridge.target_platform(target.platform):
             return lower_graph(gm, bindings, verify=options.verify, donate=donate,
                                narrow_products=options.narrow_products,
-                               narrow_elementwise=options.narrow_elementwise)
+                               narrow_elementwise=options.narrow_elementwise,
+                               stacked_outputs=options.stacked_layer_outputs)
 
     try:
         graph, locations = encode_graph(gm, bindings, values=True)
@@ -66,7 +67,8 @@ def lowered_program(
     components = program_key_components(graph, environment(target), locations, sorted(donate),
                                         custom_ops.key_component(ops, target.platform),
                                         {"narrow_products": options.narrow_products,
-                                         "narrow_elementwise": options.narrow_elementwise})
+                                         "narrow_elementwise": options.narrow_elementwise,
+                                         "stacked_layer_outputs": options.stacked_layer_outputs})
     key = cache_key(components)
     found = program_from_key(key, tiers)
     if found is not None:
@@ -130,7 +132,7 @@ def _program_metadata(program: LoweredProgram, program_sha256: str) -> dict[str,
             isinstance(value, float) and not math.isfinite(value)
         ):
             return None
-        plan.append([slot.kind, slot.index, value, [list(t) for t in slot.trim]])
+        plan.append([slot.kind, slot.index, value, [list(t) for t in slot.trim], slot.part])
     return {
         "program_sha256": program_sha256,
         "input_specs": [spec_json(s) for s in program.input_specs],
@@ -154,8 +156,9 @@ def _program_from_entry(entry: Entry) -> LoweredProgram:
         input_positions=[int(p) for p in meta["input_positions"]],
         result_specs=[_spec_from_json(s) for s in meta["result_specs"]],
         output_plan=[
-            OutputSlot(kind, int(index), value, tuple((int(d), int(i)) for d, i in trim))
-            for kind, index, value, trim in meta["output_plan"]
+            OutputSlot(kind, int(index), value, tuple((int(d), int(i)) for d, i in trim),
+                       None if not part or part[0] is None else int(part[0]))
+            for kind, index, value, trim, *part in meta["output_plan"]
         ],
         input_aliases=[None if a is None else int(a) for a in meta.get("input_aliases", [])],
         donated_kinds=frozenset(str(k) for k in meta.get("donated_kinds", [])),

@@ -14,9 +14,10 @@ from typing import Any
 
 import torch
 
-RESULT, INPUT, CONSTANT, TRIMMED = 0, 1, 2, 3
+RESULT, INPUT, CONSTANT, TRIMMED, PART = 0, 1, 2, 3, 4
 """The kinds of ``call_plan`` entries: program result i; argument j as is; a constant; a padded result cut to
-sizes that other results hold (value: (result index, ((dimension, size result index), ...)))."""
+sizes that other results hold (value: (result index, ((dimension, size result index), ...))); one layer of a
+stacked result, a view of it (value: (result index, layer))."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,13 +29,17 @@ class OutputSlot:
     value: Any = None
     trim: tuple[tuple[int, int], ...] = ()
     """For a padded result: (dimension, index of the int64 result holding that dimension's actual size)."""
+    part: int | None = None
+    """For a result stacked along its first dimension: the output is its entry ``part`` of that dimension."""
 
 
 def call_plan(slots: Sequence[OutputSlot]) -> list[tuple[int, Any]]:
     """The output plan as (kind, value) pairs, the form an executable reads on every call."""
     plan: list[tuple[int, Any]] = []
     for slot in slots:
-        if slot.kind == "result":
+        if slot.kind == "result" and slot.part is not None:
+            plan.append((PART, (slot.index, slot.part)))
+        elif slot.kind == "result":
             plan.append((TRIMMED, (slot.index, slot.trim)) if slot.trim else (RESULT, slot.index))
         elif slot.kind == "input":
             plan.append((INPUT, slot.index))

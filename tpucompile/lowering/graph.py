@@ -102,24 +102,27 @@ def lower_graph(
     donate: frozenset[str] = frozenset(),
     narrow_products: bool = False,
     narrow_elementwise: bool = True,
+    stacked_outputs: bool = False,
 ) -> LoweredProgram:
     """Lower ``gm`` (a functional ATen graph) to StableHLO for the sizes in ``bindings``; arguments marked
     donatable with a kind in ``donate`` are donated to a result of their shape and dtype. ``narrow_products``:
     bf16/f16 matrix products write their rounded result directly (``rules/matmul.py``; the backend decides
     per program).
     ``narrow_elementwise``: bf16/f16 elementwise ops exact in their own dtype are computed in it
-    (``registry.LoweringRule.exact_narrow``)."""
+    (``registry.LoweringRule.exact_narrow``). ``stacked_outputs``: outputs that are every layer of one stacked
+    loop result are returned as that result, once (``_stacked_parts``)."""
     bindings = bindings or ShapeBindings()
     # AOTAutograd calls the compiler with its FakeTensorMode active; constants that rules build from real
     # tensors (``builder.dense_constant``) must not be turned into fake ones.
     with unset_fake_temporarily(), mlir_context(), ir.Location.unknown():
-        return _GraphLowering(gm, bindings, donate, narrow_products, narrow_elementwise).run(verify)
+        return _GraphLowering(gm, bindings, donate, narrow_products, narrow_elementwise, stacked_outputs).run(verify)
 
 
 class _GraphLowering:
     def __init__(self, gm: torch.fx.GraphModule, bindings: ShapeBindings, donate: frozenset[str],
-                 narrow_products: bool, narrow_elementwise: bool) -> None:
+                 narrow_products: bool, narrow_elementwise: bool, stacked_outputs: bool = False) -> None:
         self.gm = gm
+        self.stacked_outputs = stacked_outputs
         self.donate = donate
         self.narrow_products = narrow_products
         self.narrow_elementwise = narrow_elementwise
@@ -150,7 +153,8 @@ class _GraphLowering:
         output_node = graph.output_node()
         outputs = output_node.args[0]
         outputs = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
-        result_nodes = [o for o in outputs if self._is_result(o)]
+        parts, stack_dims = self._stacked_parts(outputs) if self.stacked_outputs and not size_symbols else ({}, {})
+        result_nodes = [parts[o][0] if o in parts else o for o in outputs if self._is_result(o)]
         mesh = shardy_attributes.graph_mesh(list(graph.nodes))
 
         module = ir.Module.create()
@@ -196,8 +200,8 @@ class _GraphLowering:
             ir.FunctionType.get([spec_type(s) for s in input_specs], [spec_type(s) for s in result_specs])
         )
         arg_dims = [arg_shardings.get(node, ()) for _, node in tensor_inputs]
-        result_dims = [shardy_attributes.annotation_dims(n) if shardy_attributes.is_annotation(n) else None
-                       for n in unique_results]
+        result_dims = [shardy_attributes.annotation_dims(n) if shardy_attributes.is_annotation(n)
+                       else stack_dims.get(n) for n in unique_results]
         if mesh is not None:
             shardy_attributes.set_shardings(main.operation, arg_dims + ([()] if needs_seed else []),
                                             [len(s.shape) for s in input_specs],
@@ -212,7 +216,10 @@ class _GraphLowering:
         input_index = {node: k for k, (_, node) in enumerate(tensor_inputs)}
         plan = []
         for out in outputs:
-            if out in unique_results:
+            if out in parts:
+                stack, layer = parts[out]
+                plan.append(OutputSlot("result", unique_results.index(stack), part=layer))
+            elif out in unique_results:
                 trim = self._trim(out, {s: len(unique_results) + k for k, s in enumerate(sizes)})
                 plan.append(OutputSlot("result", unique_results.index(out), trim=trim))
             elif isinstance(out, torch.fx.Node) and out.op == "placeholder" and out in input_index:
@@ -235,6 +242,33 @@ class _GraphLowering:
             runtime_sizes=tuple(str(s) for s in size_symbols),
             repeated_flops=self.repeated_flops,
         )
+
+    def _stacked_parts(self, outputs: list[Any]) -> tuple[dict[Any, tuple[torch.fx.Node, int]], dict[Any, Any]]:
+        """Outputs that are, together, every layer of one stacked result of a loop (a rolled backward's
+        gradients of the layers' weights: ``squeeze(slice(stack, 0, i, i + 1), [0])``, each maybe under a
+        sharding annotation), as {output: (stack, layer)}, and the sharding of each such stack (the layers'
+        own, the layer axis whole). Returned once as the stack, the loop writes them where they are returned;
+        returned per layer, XLA copies each out of the stack, which then counts among the program's
+        temporaries, growing with depth. Each output is then a view of the stacked tensor (``PART``)."""
+        found: dict[Any, tuple[torch.fx.Node, int, Any]] = {}
+        for out in outputs:
+            layer = _layer_of_stack(out)
+            if layer is not None:
+                found[out] = layer
+        by_stack: dict[torch.fx.Node, list[Any]] = {}
+        for out, (stack, _, _) in found.items():
+            by_stack.setdefault(stack, []).append(out)
+        parts: dict[Any, tuple[torch.fx.Node, int]] = {}
+        stack_dims: dict[Any, Any] = {}
+        for stack, outs in by_stack.items():
+            layers = sorted(found[o][1] for o in outs)
+            dims = {found[o][2] for o in outs}
+            if layers != list(range(stack.meta["val"].shape[0])) or len(dims) != 1:
+                continue  # not every layer, or laid out unalike: each stays a result of its own
+            (layer_dims,) = dims
+            stack_dims[stack] = None if layer_dims is None else ((), *layer_dims)
+            parts.update({o: (stack, found[o][1]) for o in outs})
+        return parts, stack_dims
 
     def _result(self, node: torch.fx.Node) -> Any:
         """The program result for ``node``: its value, of a fixed shape in a bucketed program."""
@@ -665,3 +699,25 @@ def _layout_check(mesh: Any, argument_dims: list[Any], result_dims: list[Any]) -
         return padded(argument_dims[argument], rank) == padded(wanted, rank)
 
     return alike
+
+
+def _layer_of_stack(out: Any) -> tuple[torch.fx.Node, int, Any] | None:
+    """(stack, layer, sharding dims or None) when graph output ``out`` is layer ``layer`` of a loop's stacked
+    result ``stack``: ``squeeze(slice(stack, 0, layer, layer + 1), [0])``, maybe under a sharding annotation."""
+    dims = None
+    node = out
+    if shardy_attributes.is_annotation(node):
+        dims = shardy_attributes.annotation_dims(node)
+        node = node.args[0]
+    if not (isinstance(node, torch.fx.Node) and node.target is torch.ops.aten.squeeze.dims
+            and list(node.args[1]) == [0] and len(node.users) == 1):
+        return None
+    piece = node.args[0]
+    if not (isinstance(piece, torch.fx.Node) and piece.target is torch.ops.aten.slice.Tensor):
+        return None
+    stack, dim, start, end, step = (*piece.args, *(None,) * (5 - len(piece.args)))[:5]
+    if dim not in (0, None) or step not in (1, None) or not isinstance(start, int) or end != start + 1:
+        return None
+    if not (isinstance(stack, torch.fx.Node) and stack.target is operator.getitem and is_loop(stack.args[0])):
+        return None
+    return stack, start, dims

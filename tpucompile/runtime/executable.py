@@ -29,6 +29,7 @@ import torch
 
 from tpucompile.contracts.calling_convention import (
     INPUT,
+    PART,
     RESULT,
     SEED_POSITION,
     TRIMMED,
@@ -199,8 +200,15 @@ class GraphExecutable:
             return [*(exported(result) for result in results[:first_kept]),
                     *(self._kept(results, index) for index in range(first_kept, len(results)))]
         outputs = []
+        stacks: dict[int, torch.Tensor] = {}
         for position, (kind, value) in enumerate(self._plan):
-            if kind == RESULT:
+            if kind == PART:  # a layer of a stacked result: a view of the one tensor made of it
+                index, part = value
+                stack = stacks.get(index)
+                if stack is None:
+                    stack = stacks[index] = self._exported(results[index])
+                outputs.append(stack[part])
+            elif kind == RESULT:
                 outputs.append(self._exported(results[value]) if position < first_kept else self._kept(results, value))
             elif kind == INPUT:
                 outputs.append(args[value])

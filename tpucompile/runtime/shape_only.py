@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from tpucompile.contracts.calling_convention import CONSTANT, INPUT, RESULT, TRIMMED, OutputSlot, call_plan
+from tpucompile.contracts.calling_convention import CONSTANT, INPUT, PART, RESULT, TRIMMED, OutputSlot, call_plan
 
 
 class ShapeOnlyExecutable:
@@ -38,6 +38,8 @@ class ShapeOnlyExecutable:
                 outputs.append(self._empty(value, device))
             elif kind == TRIMMED:
                 outputs.append(self._empty(value[0], device))
+            elif kind == PART:
+                outputs.append(self._empty(value[0], device)[value[1]])
             elif kind == INPUT:
                 outputs.append(args[value])
             elif kind == CONSTANT:

@@ -32,6 +32,7 @@ from jaxlib import xla_client
 from tpucompile.contracts.calling_convention import (
     CONSTANT,
     INPUT,
+    PART,
     RESULT,
     SEED_POSITION,
     OutputSlot,
@@ -371,8 +372,14 @@ class ShardedExecutable:
     def __call__(self, args: list[Any]) -> list[Any]:
         shards = self.loaded.execute_sharded(self.arguments(args)).disassemble_into_single_device_arrays()
         outputs = []
+        stacks: dict[int, torch.Tensor] = {}
         for position, (kind, value) in enumerate(self._plan):
-            if kind == RESULT and position in self.dtensor_outputs:
+            if kind == PART and position not in self.dtensor_outputs:  # a view of the gathered stacked result
+                index, part = value
+                if index not in stacks:
+                    stacks[index] = self.results[index].gather(shards[index])
+                outputs.append(stacks[index][part])
+            elif kind == RESULT and position in self.dtensor_outputs:
                 result = self.results[value]
                 outputs.append(as_dtensor(result.local(shards[value]), *self.dtensor_outputs[position],
                                           result.shape))
@@ -382,6 +389,9 @@ class ShardedExecutable:
                 outputs.append(args[value])
             elif kind == CONSTANT:
                 outputs.append(value)
+            elif kind == PART:
+                raise ShardingError("a layer of a stacked result cannot be returned as a DTensor; compile with "
+                                    "stacked_layer_outputs=False")
             else:
                 raise ShardingError(f"output kind {kind} is not supported in a sharded program")
         return outputs

@@ -229,7 +229,7 @@ def record_layouts(gm: torch.fx.GraphModule, output_plan: Sequence[Any], result_
     results = gm.graph.output_node().args[0]
     results = list(results) if isinstance(results, (list, tuple)) else [results]
     for result, slot in zip(results, output_plan, strict=False):
-        if not isinstance(result, torch.fx.Node) or slot.kind != "result":
+        if not isinstance(result, torch.fx.Node) or slot.kind != "result" or slot.part is not None:
             continue
         if result.target is shard_annotation:
             result = result.args[0]

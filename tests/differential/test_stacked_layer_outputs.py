@@ -1,0 +1,81 @@
+"""A rolled backward returns its layers' weight gradients stacked, once, each gradient a view of its layer
+(``stacked_layer_outputs``), against the form with one result per layer and against eager: the same values,
+training steps included (gradients accumulated into views, an optimiser updating them in place)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+from tpucompile import driver
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                                "examples"))
+
+from mingpt import GPT, GPTConfig
+
+
+def _steps(stacked: bool | None, seed: int = 0):
+    """Three SGD steps of a 3-layer GPT, two of them accumulating two micro-batches: the losses, the final
+    weights and gradients, and the backward programs (None: eager)."""
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(n_layer=3, n_embd=32, n_head=4, vocab_size=64, block_size=16))
+    run = model if stacked is None else torch.compile(model, backend="tpucompile", options={
+        "roll_layers": True, "stacked_layer_outputs": stacked, "cache_mode": "off"})
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    events: list = []
+    remove = driver.add_observer(events.append)
+    losses = []
+    try:
+        for step in range(3):
+            optimizer.zero_grad(set_to_none=step != 1)  # step 1 accumulates into the views zeroed in place
+            for micro in range(1 + (step > 0)):
+                tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(10 * step + micro))
+                loss = run(tokens, tokens)
+                loss.backward()
+                losses.append(loss.detach())
+            optimizer.step()
+    finally:
+        remove()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    weights = {name: p.detach().clone() for name, p in model.named_parameters()}
+    backwards = [e.program for e in events if e.name.endswith("(backward)")]
+    return losses, weights, grads, backwards, model
+
+
+def test_stacked_gradients_are_views_of_one_result_and_train_like_per_layer_results(cache_dir):
+    stacked = _steps(True)
+    per_layer = _steps(False)
+    eager = _steps(None)
+    for name in ("losses", "weights", "grads"):
+        index = ("losses", "weights", "grads").index(name)
+        torch.testing.assert_close(stacked[index], per_layer[index], rtol=0, atol=0, msg=name)
+        torch.testing.assert_close(stacked[index], eager[index], rtol=2e-4, atol=2e-5, msg=name)
+    (program,), (unstacked,) = stacked[3], per_layer[3]
+    parts = [slot for slot in program.output_plan if slot.part is not None]
+    assert len(parts) == 3 * 12 and not any(slot.part is not None for slot in unstacked.output_plan)
+    assert len(program.result_specs) == len(unstacked.result_specs) - len(parts) + len(parts) // 3
+    model = stacked[4]
+    layer_grads = [p.grad for name, p in model.named_parameters() if name.startswith("blocks.")]
+    assert len({g.untyped_storage().data_ptr() for g in layer_grads}) == 12  # one stack per weight kind
+    assert all(g.is_contiguous() for g in layer_grads)
+
+
+@pytest.mark.parametrize("layers, folded", [(3, True), (1, False)])
+def test_only_every_layer_of_a_stack_folds(layers, folded, cache_dir):
+    """One layer rolls nothing; the plain outputs keep a result each."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=layers, n_embd=32, n_head=4, vocab_size=64, block_size=16))
+    compiled = torch.compile(model, backend="tpucompile", options={"roll_layers": True, "cache_mode": "off"})
+    events: list = []
+    remove = driver.add_observer(events.append)
+    try:
+        tokens = torch.randint(0, 64, (2, 16))
+        compiled(tokens, tokens).backward()
+    finally:
+        remove()
+    (backward,) = [e.program for e in events if e.name.endswith("(backward)")]
+    assert any(slot.part is not None for slot in backward.output_plan) == folded
