@@ -312,9 +312,12 @@ class _GraphLowering:
         saved value the first unclaimed result of its shape and dtype that the graph computes after the
         value's last read (as jax pairs ``donate_argnums`` by shape; a result born while the value is still
         read would make XLA copy the value first, trading memory traffic for nothing). A donated argument with
-        no such result is left alone: nothing could reuse its memory. In a sharded program an argument and a
-        result pair only when they are split alike (``laid_out_alike``): each chip's blocks must be the same
-        size, and a result left to XLA's propagation has no known layout."""
+        no such result is left alone: nothing could reuse its memory. "Last read" is by the value's direct
+        users: a loop that reads a saved stack through the stack's sharding annotation comes after that read,
+        so its stacked gradient of the same shape is paired with the stack; XLA then copies the stack the loop
+        still reads, and the peak is still lower than unpaired (``docs/benchmarks.md``, stacked layer outputs).
+        In a sharded program an argument and a result pair only when they are split alike (``laid_out_alike``):
+        each chip's blocks must be the same size, and a result left to XLA's propagation has no known layout."""
         aliases: list[int | None] = [None] * len(input_specs)
         if not self.donate:
             return aliases
