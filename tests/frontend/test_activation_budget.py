@@ -38,7 +38,7 @@ def _model() -> torch.nn.Module:
 _RUNS = itertools.count()
 
 
-def _train(budget: float | str, x: torch.Tensor) -> tuple[list[torch.Tensor], dict[str, int], dict]:
+def _train(budget: float | str, x: torch.Tensor, roll: bool = False) -> tuple[list[torch.Tensor], dict[str, int], dict]:
     """Gradients, the backward's saved bytes and the budget choice of one compiled training step on the CPU."""
     torch._dynamo.reset()
     events: list = []
@@ -49,7 +49,7 @@ def _train(budget: float | str, x: torch.Tensor) -> tuple[list[torch.Tensor], di
         # by patching, which the options, and so the in-process plans, do not see. The HBM to fit is a TPU
         # chip's, whose compiles keep their layers unrolled ("auto"), as here on the CPU
         options = {"activation_memory_budget": budget, "cache_mode": "off", "embed_constant_limit": 4096 + next(_RUNS),
-                   "roll_layers": False}
+                   "roll_layers": roll}
         compiled = torch.compile(model, backend="tpucompile", options=options)
         compiled(x).square().mean().backward()
     finally:
@@ -104,6 +104,22 @@ def test_auto_lowers_the_budget_until_the_estimate_fits_and_keeps_the_gradients(
     assert saved["activations"] < saved_full["activations"], (saved, saved_full)
     for got, want in zip(grads, reference.parameters(), strict=True):
         torch.testing.assert_close(got, want.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_auto_keeps_the_full_budget_for_rolled_layers(monkeypatch):
+    """A lower budget would recompute the loop's stacked values outside the loop, every layer's at once: with an
+    HBM the full budget's estimate exceeds, rolled layers keep budget 1 (and say why); unrolled ones search."""
+    x = torch.randn(512, 64)
+    _, _, full = _train(1.0, x, roll=True)
+    monkeypatch.setattr(activation_budget, "target_hbm", lambda config: full["estimated_peak"] // 4)
+    grads, _, choice = _train("auto", x, roll=True)
+    assert choice["budget"] == 1.0 and choice["chosen"] and choice["kept_for_loops"], choice
+    reference = _model()
+    reference(x).square().mean().backward()
+    for got, want in zip(grads, reference.parameters(), strict=True):
+        torch.testing.assert_close(got, want.grad, rtol=1e-4, atol=1e-5)
+    _, _, unrolled = _train("auto", x)
+    assert unrolled["budget"] < 1.0 and not unrolled["kept_for_loops"], unrolled
 
 
 def test_auto_takes_the_smallest_estimate_and_says_so_when_none_fits(monkeypatch):

@@ -5,8 +5,11 @@ trades saved activations for recomputation in the backward (1: save what the min
 everything that can be). With the ``activation_memory_budget`` option at "auto", ``fitting_partition`` makes
 that choice per graph: it partitions at 1, estimates the step's peak bytes per chip, and when that exceeds the
 chip's HBM marks the values passed between the model's repeated blocks to be saved (``block_boundaries``) and
-searches for the largest budget whose estimate fits. The choice travels with the forward and
-backward graphs (``meta[BUDGET_KEY]``) into the step report.
+searches for the largest budget whose estimate fits. A graph with rolled layers keeps budget 1: the partition
+would recompute a loop's stacked values in the backward before its reverse loop, every layer's at once, which
+measured a higher peak and a slower step than saving them (a 405B-shaped plan: 81.4 against 77.7 GiB per chip,
+3.2 against 2.2 s). The choice travels with the forward and backward graphs (``meta[BUDGET_KEY]``) into the step
+report.
 
 The estimate is a liveness walk over each ATen graph in its order: every value is held from the op that makes
 it to its last reader, views hold nothing of their own, elementwise results read only nearby by elementwise
@@ -33,6 +36,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from tpucompile.config import Options
 from tpucompile.contracts.input_uses import BUDGET_KEY, PARAMETERS
+from tpucompile.contracts.loop_ops import is_loop
 from tpucompile.contracts.target_names import GENERATIONS
 from tpucompile.contracts.target_names import parse as parse_target
 from tpucompile.frontend.block_boundaries import mark_block_boundaries
@@ -67,6 +71,10 @@ class BudgetChoice:
     saved_boundaries: int = 0
     """Values passed between the model's repeated blocks that the forward was made to save (``block_boundaries``),
     when a lower budget was searched for: 0 when none were marked."""
+    kept_for_loops: bool = False
+    """True when "auto" kept the full budget without a search because the graph holds rolled layers: a lower
+    budget recomputes a loop's stacked values in the backward outside the loop, every layer's at once, which
+    raised the peak it was meant to lower (``docs/benchmarks.md``)."""
 
     @property
     def fits(self) -> bool | None:
@@ -106,6 +114,9 @@ def fitting_partition(config: Options, uses: Sequence[str | None]) -> Callable[.
             budget = float(config.activation_memory_budget)
             forward, backward, peak = split(budget)
             choice = BudgetChoice(budget, False, peak, hbm, None)
+        elif any(is_loop(node) for node in joint_module.graph.nodes):
+            forward, backward, peak = split(1.0)
+            choice = BudgetChoice(1.0, True, peak, hbm, None, kept_for_loops=hbm is not None and peak > hbm)
         else:
             forward, backward, choice = _search(
                 split, hbm, lambda: mark_block_boundaries(joint_module, kwargs["num_fwd_outputs"]))
