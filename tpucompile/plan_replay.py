@@ -62,10 +62,8 @@ def plan_components(
         return None
     if options.targets or options.mesh is not None:  # compile-only targets and sharded programs start from
         return None  # the ATen graphs (and sharded runs from their own executables): let AOTAutograd make them
-    if any(_is_symbolic(x) or type(x) not in (torch.Tensor, torch.nn.Parameter) for x in example_inputs):
+    if any(map(_is_symbolic, example_inputs)) or not _plain_and_distinct(example_inputs):
         return None
-    if len({id(x) for x in example_inputs}) != len(example_inputs):
-        return None  # AOTAutograd dedupes repeated arguments; its wrapper would be needed
     try:
         graph, locations = artifacts.encode_graph(gm, ShapeBindings(), values=False)
     except artifacts.Uncacheable as why:
@@ -145,14 +143,19 @@ def runs_direct(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], options
     if options.compile_only or options.targets or options.mesh is not None or not example_inputs:
         return False
     tensors = [x for x in example_inputs if isinstance(x, torch.Tensor)]
-    if any(type(x) not in (torch.Tensor, torch.nn.Parameter) for x in tensors):
-        return False
     sizes = sum(isinstance(x, torch.SymInt) for x in example_inputs)
-    if len(tensors) + sizes != len(example_inputs) or len({id(x) for x in tensors}) != len(tensors):
+    if len(tensors) + sizes != len(example_inputs) or not _plain_and_distinct(tensors):
         return False
     if not sizes and not any(map(_is_symbolic, tensors)):
         return False
     return not (torch.is_grad_enabled() and any(x.requires_grad for x in tensors))
+
+
+def _plain_and_distinct(tensors: Sequence[torch.Tensor]) -> bool:
+    """Plain tensors and parameters (no subclasses), each passed once: AOTAutograd's wrapper would unwrap
+    subclasses and dedupe repeated arguments."""
+    return (all(type(x) in (torch.Tensor, torch.nn.Parameter) for x in tensors)
+            and len({id(x) for x in tensors}) == len(tensors))
 
 
 def _is_symbolic(tensor: torch.Tensor) -> bool:

@@ -170,14 +170,12 @@ class BucketedGraph:
 
     def __call__(self, args: list[Any]) -> list[Any]:
         full = [*args, *self._constants]
-        call = self._calls.get((*(full[p].shape for p in self._key_tensors), *(full[p] for p in self._key_sizes)))
+        key = (*(full[p].shape for p in self._key_tensors), *(full[p] for p in self._key_sizes))
+        call = self._calls.get(key)
         if call is None:
-            call = self._prepare(full)
+            call = self._prepare(full, key)
         else:
-            if self._last != call.bucket:
-                self._entries.move_to_end(call.bucket)
-                self._last = call.bucket
-            stats.record_bucket_hit(self.name)
+            self._hit(call.bucket)
         entry = call.entry
         padded = list(full)
         held = []
@@ -231,24 +229,30 @@ class BucketedGraph:
             actual[dim] = evaluate(expr, values)
         return tuple(actual) if actual != list(result.shape) else None
 
-    def _prepare(self, full: list[Any]) -> _Call:
-        """What calls with ``full``'s sizes run: their bucket's executable (compiled now if it is new), the
-        size arguments, and later the shapes their results are cut to."""
+    def _hit(self, bucket: Bucket) -> None:
+        """A call served by ``bucket``'s executable, compiled before: counted, and the bucket made the most
+        recently used."""
+        if self._last != bucket:
+            self._entries.move_to_end(bucket)
+            self._last = bucket
+        stats.record_bucket_hit(self.name)
+
+    def _prepare(self, full: list[Any], key: tuple[Any, ...]) -> _Call:
+        """What calls with ``full``'s sizes (``key``) run: their bucket's executable (compiled now if it is
+        new), the size arguments, and later the shapes their results are cut to."""
         values = read_symbols(self._sources, full)
         self._check(full, values)
         bucket = self.bucket_of(values)
         entry = self._entries.get(bucket)
         if entry is None:
             entry = self._specialize(bucket, values)
+            self._last = bucket
         else:
-            if self._last != bucket:
-                self._entries.move_to_end(bucket)
-            stats.record_bucket_hit(self.name)
-        self._last = bucket
+            self._hit(bucket)
         call = _Call(bucket, entry, values, [size_tensor(values[s]) for s in self.symbols])
         if len(self._calls) >= _MAX_CALLS:
             self._calls.clear()
-        self._calls[(*(full[p].shape for p in self._key_tensors), *(full[p] for p in self._key_sizes))] = call
+        self._calls[key] = call
         return call
 
     def fill(self, sizes: Sequence[int]) -> list[Bucket]:
@@ -303,8 +307,8 @@ class BucketedGraph:
         donated = {runner.input_positions[slot] for slot in runner.donated_slots} if direct else set()
         pads = []
         for position, _ in self._padded:
-            shape = shape_at(self._metas[position], bounds)
             meta = self._metas[position]
+            shape = shape_at(meta, bounds)
             staged = StagedInput(shape, meta.dtype) if stage and position not in donated else None
             pads.append((position, shape, staged))
         entry = _BucketEntry(runner, pads, direct)
