@@ -31,6 +31,7 @@ from llama import Llama, LlamaConfig
 
 import tpucompile
 from tpucompile import driver
+from tpucompile.contracts.input_uses import BUDGET_KEY
 from tpucompile.contracts.target_names import GENERATIONS
 from tpucompile.debug.step_report import format_step_report, step_report
 from tpucompile.debug.uses import graph_uses
@@ -114,6 +115,7 @@ def main() -> None:
         if event.target == args.target:
             graphs.append({"name": event.name, "role": event.name.rsplit("(", 1)[-1].split(")")[0],
                            "uses": graph_uses(event.graph), "report": event.report or {},
+                           "activation_budget": event.graph.meta.get(BUDGET_KEY),
                            "error": None if event.error is None else str(event.error),
                            "out_of_memory": event.out_of_memory,
                            "done_at_seconds": time.perf_counter() - start, "host_bytes_then": _resident()["VmRSS"]})

@@ -209,8 +209,9 @@ def test_roll_layers_takes_a_bool_or_auto():
     assert Options.from_sources({}).roll_layers == "auto"
     with pytest.raises(tpucompile.OptionsError, match="roll_layers"):
         Options.from_sources({"roll_layers": "sometimes"})
-    assert roll_layers_for("auto", {"cpu"}, None, "auto") and not roll_layers_for("auto", {"cpu", "tpu"}, None, 1.0)
-    assert not roll_layers_for("auto", {"cpu"}, None, 0.5) and roll_layers_for(True, {"tpu"}, None, 0.5)
+    assert roll_layers_for("auto", {"cpu"}, None) and not roll_layers_for("auto", {"cpu", "tpu"}, None)
+    assert not roll_layers_for("auto", {"cpu"}, object()) and roll_layers_for(True, {"tpu"}, None)
+    assert not roll_layers_for(False, {"cpu"}, None)
 
 
 def test_a_loop_that_fails_to_compile_leaves_the_layers_unrolled(monkeypatch):

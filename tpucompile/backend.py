@@ -30,8 +30,11 @@ from tpucompile.driver.host_kernel_upgrades import compiling
 from tpucompile.errors import OptionsError, TpuCompileWarning
 from tpucompile.frontend import (
     USES_KEY,
+    LoopBodyTrial,
+    fit_loop_bodies,
     fitting_partition,
     graph_input_uses,
+    loop_body_settings,
     mark_donatable,
     rewrite_attention,
     rewrite_interpolation,
@@ -61,7 +64,7 @@ def tpucompile_backend(
     if rewrite_interpolation(gm):
         record_graph(f"graph {index}", "fx_rewrite_interpolation", gm)
     rolling = None
-    if roll_layers_for(config.roll_layers, targets.platforms, config.mesh, config.activation_memory_budget):
+    if roll_layers_for(config.roll_layers, targets.platforms, config.mesh):
         rolling = roll_repeated_layers(gm)
         if rolling.notes:
             record_graph(f"graph {index}", "fx_roll_layers", gm)
@@ -112,14 +115,18 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], config: 
 
         return compile_role
 
-    with _aot_autograd_settings(config), traced_like_real_tensors(example_inputs), compiling():
-        compiled = dtensor_outputs(config, aot_autograd(
-            fw_compiler=compiler("forward"),
-            bw_compiler=compiler("backward"),
-            inference_compiler=compiler("inference"),
-            decompositions=decompositions_for(targets, config),
-            partition_fn=fitting_partition(config, uses),
-        )(gm, example_inputs))
+    def trace(trial: LoopBodyTrial) -> Callable[..., Any]:
+        with (_aot_autograd_settings(config), loop_body_settings(config, trial),
+              traced_like_real_tensors(example_inputs), compiling()):
+            return dtensor_outputs(config, aot_autograd(
+                fw_compiler=compiler("forward"),
+                bw_compiler=compiler("backward"),
+                inference_compiler=compiler("inference"),
+                decompositions=decompositions_for(targets, config),
+                partition_fn=fitting_partition(config, uses, trial),
+            )(gm, example_inputs))
+
+    compiled = fit_loop_bodies(trace)
     return compiled if recorder is None else recorder.take_over(compiled)
 
 
@@ -134,7 +141,7 @@ def _aot_autograd_settings(config: Options) -> contextlib.AbstractContextManager
     """The functorch settings tpucompile traces with. Effect tokens (e.g. the error checks around linalg ops)
     stay inside the graphs instead of becoming runtime inputs that AOTAutograd passes as None. The
     partition's activation budget is this compile's, not the process's (the option is in the plan key); at
-    "auto" the partition function picks it."""
+    "auto" the partition function picks it (and ``loop_body_settings`` the one of rolled layers' bodies)."""
     budget = config.activation_memory_budget
     return torch._functorch.config.patch(unlift_effect_tokens=True,
                                          activation_memory_budget=1.0 if budget == "auto" else budget)

@@ -130,9 +130,9 @@ class Options:
     over their parameters stacked per layer, forward and backward (``frontend/layer_rolling.py``): XLA
     compiles one layer instead of every one. False hands XLA every layer unrolled, as Dynamo traced them.
     "auto": rolled unless a compile target is a TPU, where XLA's estimate of a rolled training step is still
-    above the unrolled one's (``docs/benchmarks.md``), unless the graph is sharded over a mesh, and unless
-    ``activation_memory_budget`` is below 1 (``roll_layers_for``); True rolls there too (a deep model's plan
-    compiles in a fraction of the time). The graph dump says which runs were rolled and why others were not."""
+    above the unrolled one's (``docs/benchmarks.md``), and unless the graph is sharded over a mesh
+    (``roll_layers_for``); True rolls there too (a deep model's plan compiles in a fraction of the time). The
+    graph dump says which runs were rolled and why others were not."""
 
     prescale_attention_query: bool = True
     """On the attention kernel's route (a TPU target), the query is multiplied by the attention's scale as an
@@ -182,7 +182,9 @@ class Options:
     least memory traffic; on a TPU target 0.5 roughly halves the saved bytes of a GPT block for about 10% more
     flops and bytes (``docs/benchmarks.md``). "auto": 1 unless the step's estimated peak exceeds the HBM of a
     chip of the targets, then, with the values passed between repeated blocks saved, the largest budget whose
-    estimate fits (``frontend/activation_budget.py``); the step report says what was chosen."""
+    estimate fits (``frontend/activation_budget.py``); the step report says what was chosen. With rolled layers
+    (``roll_layers``) the budget applies inside each layer's loop body: its backward recomputes its own
+    values, and what the loops stack for the backward is saved."""
 
     host_kernels: str = "auto"
     """Which matrix products and f32 convolutions of CPU programs call the host BLAS kernels instead of XLA's
@@ -408,15 +410,14 @@ def _bool_or_auto(name: str, value: Any) -> bool | str:
     return value
 
 
-def roll_layers_for(setting: bool | str, platforms: Iterable[str], mesh: Any, activation_budget: float | str) -> bool:
+def roll_layers_for(setting: bool | str, platforms: Iterable[str], mesh: Any) -> bool:
     """Whether a compile whose graphs are lowered for ``platforms`` ("cpu", "tpu", ...) rolls repeated layers
     under the ``roll_layers`` ``setting``. "auto" leaves unrolled what rolling does not serve yet: TPU programs
-    (XLA's estimate of a rolled step is above the unrolled one's), sharded programs (plans that name a layer's
-    outputs, stacked weights' shardings) and a budget below 1 (which applies outside the loops only)."""
+    (XLA's estimate of a rolled step is above the unrolled one's) and sharded programs (plans that name a
+    layer's outputs, stacked weights' shardings)."""
     if isinstance(setting, bool):
         return setting
-    lowered_budget = activation_budget != "auto" and float(activation_budget) < 1.0
-    return "tpu" not in platforms and mesh is None and not lowered_budget
+    return "tpu" not in platforms and mesh is None
 
 
 def narrow_products_for(setting: bool | str, role: str) -> bool:

@@ -36,4 +36,6 @@ def test_a_small_llama_step_is_planned_with_its_figures(tmp_path):
     assert sample["RssFile"] > 0, sample
     report = plan["report"]
     assert report["fits"] is True and report["estimated_step_seconds"] > 0, report
+    assert report["activation_budgets"]["graph 0"]["budget"] == 1.0, report  # the training graph's choice
+    assert "activation budget of graph 0: 1" in finished.stdout
     assert "peak host memory" in finished.stdout and "anonymous" in finished.stdout

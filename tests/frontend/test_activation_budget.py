@@ -13,6 +13,7 @@ import torch
 from tpucompile import driver
 from tpucompile.config import Options
 from tpucompile.contracts.input_uses import BUDGET_KEY
+from tpucompile.contracts.loop_ops import is_loop
 from tpucompile.debug.step_report import format_step_report, step_report
 from tpucompile.errors import OptionsError
 from tpucompile.frontend import activation_budget
@@ -40,6 +41,12 @@ _RUNS = itertools.count()
 
 def _train(budget: float | str, x: torch.Tensor, roll: bool = False) -> tuple[list[torch.Tensor], dict[str, int], dict]:
     """Gradients, the backward's saved bytes and the budget choice of one compiled training step on the CPU."""
+    grads, saved, choice, _ = _train_with_events(budget, x, roll)
+    return grads, saved, choice
+
+
+def _train_with_events(budget: float | str, x: torch.Tensor, roll: bool = False
+                       ) -> tuple[list[torch.Tensor], dict[str, int], dict, list]:
     torch._dynamo.reset()
     events: list = []
     remove = driver.add_observer(events.append)
@@ -56,7 +63,20 @@ def _train(budget: float | str, x: torch.Tensor, roll: bool = False) -> tuple[li
         remove()
     (saved,) = [e.saved_for_backward() for e in events if e.saved_for_backward() is not None]
     (choice,) = {str(e.graph.meta[BUDGET_KEY]): e.graph.meta[BUDGET_KEY] for e in events}.values()
-    return [p.grad for p in model.parameters()], saved, choice
+    return [p.grad for p in model.parameters()], saved, choice, events
+
+
+def _loops(events: list, role: str) -> int:
+    """How many rolled loops the compiled graph of ``role`` ("forward" or "backward") runs."""
+    (graph,) = [e.graph for e in events if e.name.endswith(f"({role})")]
+    return sum(1 for node in graph.graph.nodes if is_loop(node))
+
+
+def _assert_eager_gradients(grads: list[torch.Tensor], x: torch.Tensor) -> None:
+    reference = _model()
+    reference(x).square().mean().backward()
+    for got, want in zip(grads, reference.parameters(), strict=True):
+        torch.testing.assert_close(got, want.grad, rtol=1e-4, atol=1e-5)
 
 
 def test_a_lower_budget_saves_fewer_activations_and_keeps_the_gradients():
@@ -106,20 +126,52 @@ def test_auto_lowers_the_budget_until_the_estimate_fits_and_keeps_the_gradients(
         torch.testing.assert_close(got, want.grad, rtol=1e-4, atol=1e-5)
 
 
-def test_auto_keeps_the_full_budget_for_rolled_layers(monkeypatch):
-    """A lower budget would recompute the loop's stacked values outside the loop, every layer's at once: with an
-    HBM the full budget's estimate exceeds, rolled layers keep budget 1 (and say why); unrolled ones search."""
+def test_a_lower_budget_recomputes_inside_the_rolled_layers_loop():
+    """With rolled layers the budget is the loop body's: each layer's backward recomputes its own values in the
+    reverse loop, so the backward runs one loop (the reverse one), never the forward loop again, and the forward
+    saves less the lower the budget."""
     x = torch.randn(512, 64)
-    _, _, full = _train(1.0, x, roll=True)
-    monkeypatch.setattr(activation_budget, "target_hbm", lambda config: full["estimated_peak"] // 4)
-    grads, _, choice = _train("auto", x, roll=True)
-    assert choice["budget"] == 1.0 and choice["chosen"] and choice["kept_for_loops"], choice
-    reference = _model()
-    reference(x).square().mean().backward()
-    for got, want in zip(grads, reference.parameters(), strict=True):
-        torch.testing.assert_close(got, want.grad, rtol=1e-4, atol=1e-5)
-    _, _, unrolled = _train("auto", x)
-    assert unrolled["budget"] < 1.0 and not unrolled["kept_for_loops"], unrolled
+    saved, peaks = {}, {}
+    for budget in (1.0, 0.5, 0.0):
+        grads, saved[budget], choice, events = _train_with_events(budget, x, roll=True)
+        _assert_eager_gradients(grads, x)
+        assert choice["in_loop_bodies"] and not choice["chosen"] and choice["budget"] == budget, choice
+        assert (_loops(events, "forward"), _loops(events, "backward")) == (1, 1), budget
+        peaks[budget] = choice["estimated_peak"]
+    assert saved[0.0]["activations"] < saved[0.5]["activations"] < saved[1.0]["activations"], saved
+    assert peaks[0.0] < peaks[0.5] < peaks[1.0], peaks
+
+
+def test_auto_lowers_the_loop_bodies_budget_until_the_estimate_fits(monkeypatch):
+    """At "auto", rolled layers whose estimate at 1 exceeds the HBM get the largest loop body budget that fits
+    (new traces probe it), with the same gradients, and the estimate a set budget gives."""
+    x = torch.randn(512, 64)
+    _, saved_full, full = _train(1.0, x, roll=True)
+    _, _, least = _train(0.0, x, roll=True)
+    hbm = int((least["estimated_peak"] + full["estimated_peak"]) / 2 / activation_budget.FIT_FRACTION)
+    assert least["estimated_peak"] < activation_budget.FIT_FRACTION * hbm < hbm < full["estimated_peak"]
+    monkeypatch.setattr(activation_budget, "target_hbm", lambda config: hbm)
+    traces = []
+    fit = activation_budget.fit_loop_bodies
+    monkeypatch.setattr("tpucompile.backend.fit_loop_bodies",
+                        lambda trace: fit(lambda trial: traces.append(trial) or trace(trial)))
+    grads, saved, choice, events = _train_with_events("auto", x, roll=True)
+    _assert_eager_gradients(grads, x)
+    assert 0.0 <= choice["budget"] < 1.0 and choice["chosen"] and choice["in_loop_bodies"] and choice["fits"], choice
+    assert choice["peak_at_full_budget"] == full["estimated_peak"], (choice, full)
+    assert saved["activations"] < saved_full["activations"]
+    assert _loops(events, "backward") == 1
+    # the first trace at 1, the probes, and the chosen budget's trace, which compiles
+    assert traces[0].budget == 1.0 and not traces[0].probe and all(t.probe for t in traces[1:-1]), traces
+    assert traces[-1].budget == choice["budget"] and not traces[-1].probe
+    assert len(traces) <= 2 + activation_budget.LOOP_SEARCH_STEPS + 1, traces
+    _, _, same = _train(choice["budget"], x, roll=True)
+    assert same["estimated_peak"] == choice["estimated_peak"], (same, choice)
+    # no body budget fits: the smallest estimate (at the largest budget that gives it), said not to fit
+    monkeypatch.setattr(activation_budget, "target_hbm", lambda config: 1024)
+    _, _, none_fits = _train("auto", x, roll=True)
+    assert none_fits["fits"] is False and none_fits["budget"] < 1.0, none_fits
+    assert none_fits["estimated_peak"] == least["estimated_peak"]
 
 
 def test_auto_takes_the_smallest_estimate_and_says_so_when_none_fits(monkeypatch):

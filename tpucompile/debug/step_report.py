@@ -188,7 +188,8 @@ def _budget_line(graph: str, choice: dict[str, Any]) -> str:
     budget, estimate, hbm = choice["budget"], choice["estimated_peak"], choice["hbm"]
     head = f"activation budget of {graph}: {budget:.3g}"
     if not choice["chosen"]:
-        return f"{head}, set by the activation_memory_budget option (estimated peak {_gib(estimate)})"
+        where = " inside the rolled layers' loop bodies" if choice.get("in_loop_bodies") else ""
+        return f"{head}, set by the activation_memory_budget option{where} (estimated peak {_gib(estimate)})"
     if hbm is None:
         return f"{head} (no target HBM to fit)"
     if choice["peak_at_full_budget"] is None:
@@ -199,6 +200,8 @@ def _budget_line(graph: str, choice: dict[str, Any]) -> str:
                 "or spread the model over more chips")
     kept = (f"; the {choice['saved_boundaries']} values passed between repeated blocks are saved, so it recomputes "
             "within one block at a time" if choice.get("saved_boundaries") else "")
+    if choice.get("in_loop_bodies"):
+        kept = "; the budget of the rolled layers' loop bodies, so each layer recomputes its own values in the backward"
     return (f"{head}, chosen: {over}; at {budget:.3g} it is {_gib(estimate)} (the backward recomputes the rest"
             f"{kept})")
 

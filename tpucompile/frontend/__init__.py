@@ -7,7 +7,13 @@ rewritten here, and the arguments of AOTAutograd's graphs their programs may tak
 noted (``graph_input_uses``). Passes over the ATen graphs live in ``tpucompile.passes``.
 """
 
-from tpucompile.frontend.activation_budget import BUDGET_KEY, fitting_partition
+from tpucompile.frontend.activation_budget import (
+    BUDGET_KEY,
+    LoopBodyTrial,
+    fit_loop_bodies,
+    fitting_partition,
+    loop_body_settings,
+)
 from tpucompile.frontend.attention import rewrite_attention
 from tpucompile.frontend.decompositions import decomposition_table
 from tpucompile.frontend.donation import mark_donatable
@@ -20,9 +26,12 @@ __all__ = [
     "BUDGET_KEY",
     "ROLLING_KEY",
     "USES_KEY",
+    "LoopBodyTrial",
     "decomposition_table",
+    "fit_loop_bodies",
     "fitting_partition",
     "graph_input_uses",
+    "loop_body_settings",
     "mark_donatable",
     "rewrite_attention",
     "rewrite_interpolation",

@@ -5,11 +5,18 @@ trades saved activations for recomputation in the backward (1: save what the min
 everything that can be). With the ``activation_memory_budget`` option at "auto", ``fitting_partition`` makes
 that choice per graph: it partitions at 1, estimates the step's peak bytes per chip, and when that exceeds the
 chip's HBM marks the values passed between the model's repeated blocks to be saved (``block_boundaries``) and
-searches for the largest budget whose estimate fits. A graph with rolled layers keeps budget 1: the partition
-would recompute a loop's stacked values in the backward before its reverse loop, every layer's at once, which
-measured a higher peak and a slower step than saving them (a 405B-shaped plan: 81.4 against 77.7 GiB per chip,
-3.2 against 2.2 s). The choice travels with the forward and backward graphs (``meta[BUDGET_KEY]``) into the step
-report.
+searches for the largest budget whose estimate fits. The choice travels with the forward and backward graphs
+(``meta[BUDGET_KEY]``) into the step report.
+
+In a graph with rolled layers the budget applies inside the loops' bodies, as ``jax.checkpoint`` on a scanned
+layer does for a JAX user: PyTorch partitions one iteration's joint graph while AOTAutograd traces the loop
+(with the budget set then), so each layer's backward recomputes its own values inside the reverse loop, and
+the partition of the graph around the loops saves everything at 1. Applied outside instead, a budget below 1
+recomputed the forward loop's stacked values in the backward before the reverse loop, every layer's at once,
+which measured a higher peak and a slower step than saving them (a 405B-shaped plan: 81.4 against 77.7 GiB
+per chip, 3.2 against 2.2 s). At "auto", a lower budget for the bodies therefore needs new traces:
+``fit_loop_bodies`` probes budgets by bisection, each trace's partition only estimating, and traces once more
+at the one it picked.
 
 The estimate is a liveness walk over each ATen graph in its order: every value is held from the op that makes
 it to its last reader, views hold nothing of their own, elementwise results read only nearby by elementwise
@@ -24,6 +31,7 @@ not see state compiled in other graphs (an optimiser's), which the step report a
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import math
 import operator
@@ -54,6 +62,9 @@ recomputation.)"""
 SEARCH_STEPS = 6
 """Bisection steps between 0 and 1 (the budget found within 1/64 of the largest that fits)."""
 
+LOOP_SEARCH_STEPS = 3
+"""Bisection steps for a loop body's budget (within 1/8): each is a whole new trace of the graph."""
+
 
 @dataclasses.dataclass(frozen=True)
 class BudgetChoice:
@@ -71,10 +82,9 @@ class BudgetChoice:
     saved_boundaries: int = 0
     """Values passed between the model's repeated blocks that the forward was made to save (``block_boundaries``),
     when a lower budget was searched for: 0 when none were marked."""
-    kept_for_loops: bool = False
-    """True when "auto" kept the full budget without a search because the graph holds rolled layers: a lower
-    budget recomputes a loop's stacked values in the backward outside the loop, every layer's at once, which
-    raised the peak it was meant to lower (``docs/benchmarks.md``)."""
+    in_loop_bodies: bool = False
+    """True when the graph holds rolled layers: ``budget`` is the loops' bodies' (each layer's backward
+    recomputes its own values in the reverse loop), and the partition around the loops saved all at 1."""
 
     @property
     def fits(self) -> bool | None:
@@ -95,10 +105,71 @@ def _fits(peak: int, hbm: int) -> bool:
     return peak <= FIT_FRACTION * hbm
 
 
-def fitting_partition(config: Options, uses: Sequence[str | None]) -> Callable[..., Any]:
+@dataclasses.dataclass(frozen=True)
+class LoopBodyTrial:
+    """One trace of a graph as ``fit_loop_bodies`` asks for it: the budget its loops' bodies are partitioned at
+    (``loop_body_settings``), and whether its partition only estimates the peak (``LoopBodyEstimate``)."""
+
+    budget: float = 1.0
+    probe: bool = False
+    peak_at_full_budget: int | None = None
+    """The estimate with the bodies at 1, known once a search has begun."""
+
+
+class LoopBodyEstimate(Exception):
+    """Raised by the partition of a graph with rolled layers: its estimated step peak at the trial's loop body
+    budget, for ``fit_loop_bodies`` to search with (a probe's, or the full budget's when it does not fit)."""
+
+    def __init__(self, budget: float, peak: int, hbm: int) -> None:
+        super().__init__(f"loop bodies at budget {budget}: estimated peak {peak} bytes of {hbm}")
+        self.budget, self.peak, self.hbm = budget, peak, hbm
+
+
+def loop_body_settings(config: Options, trial: LoopBodyTrial) -> contextlib.AbstractContextManager:
+    """The functorch setting a trace runs under: the budget PyTorch's partition of each loop's body reads while
+    AOTAutograd traces the loop (the option's, or the trial's at "auto")."""
+    budget = config.activation_memory_budget
+    return torch._functorch.config.patch(activation_memory_budget=trial.budget if budget == "auto" else budget)
+
+
+def fit_loop_bodies(trace: Callable[[LoopBodyTrial], Any]) -> Any:
+    """``trace(trial)`` (a whole AOTAutograd trace and compile of one graph) at the loop bodies' full budget,
+    or, when its partition finds the estimate over the HBM (``LoopBodyEstimate``), at the largest body budget
+    whose estimate fits, found by bisection with probe traces, then 0; when none fits, at the budget of the
+    smallest estimate (the step report then says it does not fit)."""
+    try:
+        return trace(LoopBodyTrial())
+    except LoopBodyEstimate as over:
+        tried, hbm = {1.0: over.peak}, over.hbm
+    full = tried[1.0]
+
+    def probe(budget: float) -> int:
+        try:
+            trace(LoopBodyTrial(budget, probe=True, peak_at_full_budget=full))
+        except LoopBodyEstimate as estimate:
+            return estimate.peak
+        raise AssertionError("a probe trace compiled its graph instead of estimating it")
+
+    low, high = 0.0, 1.0
+    for _ in range(LOOP_SEARCH_STEPS):
+        middle = (low + high) / 2
+        tried[middle] = probe(middle)
+        low, high = (middle, high) if _fits(tried[middle], hbm) else (low, middle)
+    if low == 0.0:
+        tried[0.0] = probe(0.0)
+    fitting = [budget for budget, peak in tried.items() if _fits(peak, hbm) and budget < 1.0]
+    budget = max(fitting) if fitting else min(tried, key=lambda b: (tried[b], -b))
+    return trace(LoopBodyTrial(budget, peak_at_full_budget=full))
+
+
+def fitting_partition(config: Options, uses: Sequence[str | None], trial: LoopBodyTrial = LoopBodyTrial()
+                      ) -> Callable[..., Any]:
     """An AOTAutograd partition function for ``config``: the min-cut at the option's budget, or, with the option
     at "auto", at the largest budget whose estimated step peak fits the targets' HBM (1 when it fits as it is,
-    or when there is no target to fit). ``uses`` is each graph input's use (``frontend.graph_input_uses``)."""
+    or when there is no target to fit). ``uses`` is each graph input's use (``frontend.graph_input_uses``).
+    A graph with rolled layers is split at 1 around its loops, whose bodies were partitioned at ``trial``'s
+    budget (or the option's) during the trace; at "auto" it raises ``LoopBodyEstimate`` for a probe trial, and
+    for the full budget when that does not fit (``fit_loop_bodies``)."""
     hbm = target_hbm(config)
     divisors = _input_divisors(config)
     activation_divisor = max((d for d, use in zip(divisors, uses, strict=False) if use != PARAMETERS), default=1)
@@ -110,13 +181,17 @@ def fitting_partition(config: Options, uses: Sequence[str | None]) -> Callable[.
                 forward, backward = min_cut_rematerialization_partition(joint_module, joint_inputs, **kwargs)
             return forward, backward, step_peak(forward, backward, divisors, activation_divisor)
 
+        loops = any(is_loop(node) for node in joint_module.graph.nodes)
         if config.activation_memory_budget != "auto":
             budget = float(config.activation_memory_budget)
-            forward, backward, peak = split(budget)
-            choice = BudgetChoice(budget, False, peak, hbm, None)
-        elif any(is_loop(node) for node in joint_module.graph.nodes):
+            forward, backward, peak = split(1.0 if loops else budget)
+            choice = BudgetChoice(budget, False, peak, hbm, None, in_loop_bodies=loops)
+        elif loops:
             forward, backward, peak = split(1.0)
-            choice = BudgetChoice(1.0, True, peak, hbm, None, kept_for_loops=hbm is not None and peak > hbm)
+            searching = trial.probe or (trial.peak_at_full_budget is None and hbm is not None and peak > hbm)
+            if searching and hbm is not None:
+                raise LoopBodyEstimate(trial.budget, peak, hbm)
+            choice = BudgetChoice(trial.budget, True, peak, hbm, trial.peak_at_full_budget, in_loop_bodies=True)
         else:
             forward, backward, choice = _search(
                 split, hbm, lambda: mark_block_boundaries(joint_module, kwargs["num_fwd_outputs"]))
