@@ -288,6 +288,13 @@ def test_step_report_from_graph_reports():
     bound = max(1e12 / 459e12, 1e9 / 2765e9) + max(2e12 / 459e12, 1e9 / 2765e9) + step
     assert abs(report["roofline_step_seconds"] - bound) < 1e-12
     assert abs(report["roofline_mfu"] - 3.01e12 / (bound * 459e12)) < 1e-9
+    # an XLA estimate faster than the program's flops at the chip's peak is not taken: the cycles are
+    impossible = [dict(g, report=dict(g["report"], optimal_seconds=1e-3, estimated_cycles=3.5e7))
+                  if g["role"] == "backward" else g for g in graphs]
+    fallen_back = step_report(impossible, "tpu:v5p:2x2x1")
+    backward = 3.5e7 / (459e12 / (8 * 128 * 128 * 2))
+    assert abs(fallen_back["estimated_step_seconds"] - (forward + backward + step)) < 1e-12
+    assert fallen_back["estimated_by"] == ["cycles", "roofline"]
     text = format_step_report(step_report(graphs, "tpu:v5e:2x2"))
     assert "fits: 13.00 GiB of 15.75 GiB HBM" in text and "step time (roofline)" in text
     small = step_report([dict(g, report=dict(g["report"], memory=dict(g["report"]["memory"], peak=20 * gib)))
