@@ -14,6 +14,7 @@ import torch
 import tpucompile
 from tpucompile import driver
 from tpucompile.contracts.loop_ops import is_loop, loop_parts
+from tpucompile.sharding.annotate import OUTPUT_NAMES_KEY
 from tpucompile.sharding.plan import decode_sharding, shard_annotation
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
@@ -71,3 +72,22 @@ def test_stacked_parameters_keep_their_split_and_temporaries_stay_flat_in_depth(
     assert len(parts) == 9 * 8, len(parts)
     stacked = {slot.index for slot in parts}
     assert all(backward.program.result_specs[k].shape[0] == 8 for k in stacked)
+
+
+def test_the_backward_takes_each_saved_value_laid_out_as_the_forward_returns_it():
+    """Saved values pass between the programs by name: a no-op view AOTAutograd returns for the backward (the
+    loss's log-softmax, behind an alias) reaches the forward's output as its base once the passes drop the view,
+    while the backward's placeholder keeps the view's name. The forward's layout is recorded under that name,
+    so the backward takes it split as the forward returns it (taken by its own name it was replicated: a
+    405B-shaped plan held the whole [tokens, vocabulary] log-softmax on every chip, 15.7 GiB)."""
+    events = _plan(2)
+    forward = next(e for e in events if e.name.endswith("(forward)"))
+    backward = next(e for e in events if e.name.endswith("(backward)"))
+    returned = set(forward.graph.meta[OUTPUT_NAMES_KEY])
+    saved = [n for n in backward.graph.graph.nodes
+             if n.op == "placeholder" and not n.name.startswith(("tangents_", "primals_"))]
+    assert saved and all(n.name in returned for n in saved), [n.name for n in saved if n.name not in returned]
+    layout = {n.args[0].name: decode_sharding(n.args[1])[1] for n in backward.graph.graph.nodes
+              if n.target is shard_annotation and n.args[0].op == "placeholder"}
+    (log_softmax,) = [n for n in saved if tuple(n.meta["val"].shape) == (8 * 256, 512)]  # [tokens, vocabulary]
+    assert any(layout[log_softmax.name]), (log_softmax.name, layout[log_softmax.name])

@@ -18,7 +18,7 @@ from tpucompile.passes.dead_code import eliminate_dead_code
 from tpucompile.passes.noop_views import remove_noop_views
 from tpucompile.passes.partition import isolate_node, partition_supported
 from tpucompile.passes.saved_values import saved_value_mismatch
-from tpucompile.sharding.annotate import annotate_shardings
+from tpucompile.sharding.annotate import annotate_shardings, remember_output_names
 from tpucompile.sharding.plan import Mesh, ShardPlan
 
 
@@ -44,6 +44,7 @@ def run_passes(
 
     ``after_pass(name, gm)``, when given, sees the graph after each pass (dumps show every step).
     """
+    remember_output_names(gm)  # the backward names its saved inputs as AOTAutograd named the forward's outputs
     remove_noop_views(gm)
     if after_pass:
         after_pass("remove_noop_views", gm)

@@ -10,7 +10,8 @@ Shardy attributes and constraints.
 AOTAutograd names the placeholders of its graphs after Dynamo's inputs: ``argN_1`` (inference) is input N,
 ``primals_N`` (forward, and the saved inputs of a backward) is input N-1. The values a forward saves for its
 backward are left to XLA's propagation; ``record_layouts`` notes how the forward program returned each (by
-node name, which the backward's placeholders share), and the backward expects them laid out the same way, so
+the name AOTAutograd gave the output, which the backward's placeholder shares even where a pass replaced the
+output node), and the backward expects them laid out the same way, so
 they pass from one program to the other without being sent again. Under a plan that is fully sharded and
 nothing else they are split along the first dimension the data axis divides instead, in both programs:
 activations then take 1/N of each chip's memory whatever XLA would choose, and the programs do not depend on
@@ -222,18 +223,33 @@ def _updated_inputs() -> tuple[int, ...]:
     return tuple(getattr(metadata, "mutated_inp_runtime_indices", None) or ())
 
 
-def record_layouts(gm: torch.fx.GraphModule, output_plan: Sequence[Any], result_dims: Sequence[Dims | None],
-                   plan: ShardPlan) -> None:
-    """Note how the program of the annotated graph ``gm`` returns each output (by node name), for the
-    backward graph that takes some of them."""
+OUTPUT_NAMES_KEY = "tpucompile_output_names"
+"""Graph meta: the names of the graph's outputs as AOTAutograd made them, before passes replaced any (a no-op
+view returned for the backward becomes its base, while the backward's placeholder keeps the view's name)."""
+
+
+def remember_output_names(gm: torch.fx.GraphModule) -> None:
+    """Note ``gm``'s output names as they are now (``OUTPUT_NAMES_KEY``), once, before any pass runs."""
+    if OUTPUT_NAMES_KEY in gm.meta:
+        return
     results = gm.graph.output_node().args[0]
     results = list(results) if isinstance(results, (list, tuple)) else [results]
-    for result, slot in zip(results, output_plan, strict=False):
+    gm.meta[OUTPUT_NAMES_KEY] = [r.name if isinstance(r, torch.fx.Node) else None for r in results]
+
+
+def record_layouts(gm: torch.fx.GraphModule, output_plan: Sequence[Any], result_dims: Sequence[Dims | None],
+                   plan: ShardPlan) -> None:
+    """Note how the program of the annotated graph ``gm`` returns each output (by the name AOTAutograd gave it,
+    which the backward's placeholder for it shares), for the backward graph that takes some of them."""
+    results = gm.graph.output_node().args[0]
+    results = list(results) if isinstance(results, (list, tuple)) else [results]
+    names = gm.meta.get(OUTPUT_NAMES_KEY) or [None] * len(results)
+    for result, slot, name in zip(results, output_plan, names, strict=False):
         if not isinstance(result, torch.fx.Node) or slot.kind != "result" or slot.part is not None:
             continue
         if result.target is shard_annotation:
             result = result.args[0]
-        plan.layouts[result.name] = result_dims[slot.index]
+        plan.layouts[name or result.name] = result_dims[slot.index]
 
 
 _PRIMAL = re.compile(r"primals_(\d+)")
