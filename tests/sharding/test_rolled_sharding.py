@@ -27,7 +27,18 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reas
 TARGET = "tpu:v5e:2x4"
 
 
+_PLANS: dict[int, list] = {}
+
+
 def _plan(layers: int) -> list:
+    """The compile events of one plan at ``layers`` layers, compiled once per module (two tests read the
+    2-layer plan)."""
+    if layers not in _PLANS:
+        _PLANS[layers] = _compiled_plan(layers)
+    return _PLANS[layers]
+
+
+def _compiled_plan(layers: int) -> list:
     torch._dynamo.reset()
     mesh = tpucompile.Mesh({"data": 4, "model": 2})
     shard = tpucompile.fully_sharded(mesh) + tpucompile.tensor_parallel(
