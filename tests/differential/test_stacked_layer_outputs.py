@@ -79,3 +79,18 @@ def test_only_every_layer_of_a_stack_folds(layers, folded, cache_dir):
         remove()
     (backward,) = [e.program for e in events if e.name.endswith("(backward)")]
     assert any(slot.part is not None for slot in backward.output_plan) == folded
+
+
+def test_a_compile_only_run_makes_every_layer_a_view_of_one_stack():
+    """What a compile-only program hands back for a stacked result is shaped like a run's: one tensor per
+    stack, every layer's output a view of it (one stack per layer would hold the layers' memory that many
+    times over)."""
+    from tpucompile.contracts.calling_convention import OutputSlot
+    from tpucompile.runtime import ShapeOnlyExecutable
+
+    plan = [OutputSlot("result", 0, part=layer) for layer in range(3)] + [OutputSlot("result", 1)]
+    executable = ShapeOnlyExecutable(plan, [((3, 4, 5), torch.float32), ((2,), torch.float32)], [None] * 4)
+    layers = executable([torch.zeros(1)])
+    assert [tuple(t.shape) for t in layers] == [(4, 5), (4, 5), (4, 5), (2,)]
+    bases = {t._base.data_ptr() for t in layers[:3]}
+    assert len(bases) == 1 and all(t._base.shape == (3, 4, 5) for t in layers[:3]), bases

@@ -32,14 +32,18 @@ class ShapeOnlyExecutable:
     def __call__(self, args: list[Any]) -> list[Any]:
         default = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("meta"))
         outputs: list[Any] = []
+        stacks: dict[int, torch.Tensor] = {}
         for position, (kind, value) in enumerate(self._plan):
             device = (self._devices[position] if position < len(self._devices) else None) or default
             if kind == RESULT:
                 outputs.append(self._empty(value, device))
             elif kind == TRIMMED:
                 outputs.append(self._empty(value[0], device))
-            elif kind == PART:
-                outputs.append(self._empty(value[0], device)[value[1]])
+            elif kind == PART:  # every layer a view of one stacked tensor, as the executables return them
+                index, part = value
+                if index not in stacks:
+                    stacks[index] = self._empty(index, device)
+                outputs.append(stacks[index][part])
             elif kind == INPUT:
                 outputs.append(args[value])
             elif kind == CONSTANT:
