@@ -29,16 +29,17 @@ from tpucompile.driver import compile_graph, decompositions_for, record_graph, r
 from tpucompile.driver.host_kernel_upgrades import compiling
 from tpucompile.errors import OptionsError, TpuCompileWarning
 from tpucompile.frontend import (
+    FIRST_TRIAL,
     USES_KEY,
     LoopBodyTrial,
     fit_loop_bodies,
     fitting_partition,
     graph_input_uses,
-    loop_body_settings,
     mark_donatable,
     rewrite_attention,
     rewrite_interpolation,
     roll_repeated_layers,
+    traced_budget,
     traced_like_real_tensors,
 )
 from tpucompile.sharding.binding import bind_sharding, dtensor_outputs
@@ -116,8 +117,7 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], config: 
         return compile_role
 
     def trace(trial: LoopBodyTrial) -> Callable[..., Any]:
-        with (_aot_autograd_settings(config), loop_body_settings(config, trial),
-              traced_like_real_tensors(example_inputs), compiling()):
+        with _aot_autograd_settings(config, trial), traced_like_real_tensors(example_inputs), compiling():
             return dtensor_outputs(config, aot_autograd(
                 fw_compiler=compiler("forward"),
                 bw_compiler=compiler("backward"),
@@ -137,14 +137,14 @@ def _forward_returns() -> int | None:
     return getattr(getattr(context, "fw_metadata", None), "num_forward_returns", None)
 
 
-def _aot_autograd_settings(config: Options) -> contextlib.AbstractContextManager:
+def _aot_autograd_settings(config: Options, trial: LoopBodyTrial = FIRST_TRIAL) -> contextlib.AbstractContextManager:
     """The functorch settings tpucompile traces with. Effect tokens (e.g. the error checks around linalg ops)
-    stay inside the graphs instead of becoming runtime inputs that AOTAutograd passes as None. The
-    partition's activation budget is this compile's, not the process's (the option is in the plan key); at
-    "auto" the partition function picks it (and ``loop_body_settings`` the one of rolled layers' bodies)."""
-    budget = config.activation_memory_budget
+    stay inside the graphs instead of becoming runtime inputs that AOTAutograd passes as None. The activation
+    budget is this compile's, not the process's (the option is in the plan key): the one rolled layers' loop
+    bodies are partitioned at while the trace runs (``traced_budget``; at "auto", ``trial``'s); the partition
+    of the whole graph picks its own."""
     return torch._functorch.config.patch(unlift_effect_tokens=True,
-                                         activation_memory_budget=1.0 if budget == "auto" else budget)
+                                         activation_memory_budget=traced_budget(config, trial))
 
 
 def _compile_only_when_meta(config: Options, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Options:

@@ -9,10 +9,11 @@ noted (``graph_input_uses``). Passes over the ATen graphs live in ``tpucompile.p
 
 from tpucompile.frontend.activation_budget import (
     BUDGET_KEY,
+    FIRST_TRIAL,
     LoopBodyTrial,
     fit_loop_bodies,
     fitting_partition,
-    loop_body_settings,
+    traced_budget,
 )
 from tpucompile.frontend.attention import rewrite_attention
 from tpucompile.frontend.decompositions import decomposition_table
@@ -24,6 +25,7 @@ from tpucompile.frontend.meta_tracing import traced_like_real_tensors
 
 __all__ = [
     "BUDGET_KEY",
+    "FIRST_TRIAL",
     "ROLLING_KEY",
     "USES_KEY",
     "LoopBodyTrial",
@@ -31,10 +33,10 @@ __all__ = [
     "fit_loop_bodies",
     "fitting_partition",
     "graph_input_uses",
-    "loop_body_settings",
     "mark_donatable",
     "rewrite_attention",
     "rewrite_interpolation",
     "roll_repeated_layers",
+    "traced_budget",
     "traced_like_real_tensors",
 ]

@@ -31,7 +31,6 @@ not see state compiled in other graphs (an optimiser's), which the step report a
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import math
 import operator
@@ -108,12 +107,16 @@ def _fits(peak: int, hbm: int) -> bool:
 @dataclasses.dataclass(frozen=True)
 class LoopBodyTrial:
     """One trace of a graph as ``fit_loop_bodies`` asks for it: the budget its loops' bodies are partitioned at
-    (``loop_body_settings``), and whether its partition only estimates the peak (``LoopBodyEstimate``)."""
+    (``traced_budget``), and whether its partition only estimates the peak (``LoopBodyEstimate``)."""
 
     budget: float = 1.0
     probe: bool = False
     peak_at_full_budget: int | None = None
     """The estimate with the bodies at 1, known once a search has begun."""
+
+
+FIRST_TRIAL = LoopBodyTrial()
+"""A graph's first trace: its loop bodies at the full budget (or the option's)."""
 
 
 class LoopBodyEstimate(Exception):
@@ -125,11 +128,12 @@ class LoopBodyEstimate(Exception):
         self.budget, self.peak, self.hbm = budget, peak, hbm
 
 
-def loop_body_settings(config: Options, trial: LoopBodyTrial) -> contextlib.AbstractContextManager:
-    """The functorch setting a trace runs under: the budget PyTorch's partition of each loop's body reads while
-    AOTAutograd traces the loop (the option's, or the trial's at "auto")."""
+def traced_budget(config: Options, trial: LoopBodyTrial = FIRST_TRIAL) -> float:
+    """The ``activation_memory_budget`` functorch setting a trace runs under: the one PyTorch's partition of
+    each loop's body reads while AOTAutograd traces the loop (the option's, or the trial's at "auto"); the
+    partition of the whole graph sets its own (``fitting_partition``)."""
     budget = config.activation_memory_budget
-    return torch._functorch.config.patch(activation_memory_budget=trial.budget if budget == "auto" else budget)
+    return trial.budget if budget == "auto" else float(budget)
 
 
 def fit_loop_bodies(trace: Callable[[LoopBodyTrial], Any]) -> Any:
@@ -138,7 +142,7 @@ def fit_loop_bodies(trace: Callable[[LoopBodyTrial], Any]) -> Any:
     whose estimate fits, found by bisection with probe traces, then 0; when none fits, at the budget of the
     smallest estimate (the step report then says it does not fit)."""
     try:
-        return trace(LoopBodyTrial())
+        return trace(FIRST_TRIAL)
     except LoopBodyEstimate as over:
         tried, hbm = {1.0: over.peak}, over.hbm
     full = tried[1.0]
@@ -162,7 +166,7 @@ def fit_loop_bodies(trace: Callable[[LoopBodyTrial], Any]) -> Any:
     return trace(LoopBodyTrial(budget, peak_at_full_budget=full))
 
 
-def fitting_partition(config: Options, uses: Sequence[str | None], trial: LoopBodyTrial = LoopBodyTrial()
+def fitting_partition(config: Options, uses: Sequence[str | None], trial: LoopBodyTrial = FIRST_TRIAL
                       ) -> Callable[..., Any]:
     """An AOTAutograd partition function for ``config``: the min-cut at the option's budget, or, with the option
     at "auto", at the largest budget whose estimated step peak fits the targets' HBM (1 when it fits as it is,
