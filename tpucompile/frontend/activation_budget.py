@@ -144,8 +144,7 @@ def fit_loop_bodies(trace: Callable[[LoopBodyTrial], Any]) -> Any:
     try:
         return trace(FIRST_TRIAL)
     except LoopBodyEstimate as over:
-        tried, hbm = {1.0: over.peak}, over.hbm
-    full = tried[1.0]
+        full, hbm = over.peak, over.hbm
 
     def probe(budget: float) -> int:
         try:
@@ -154,16 +153,25 @@ def fit_loop_bodies(trace: Callable[[LoopBodyTrial], Any]) -> Any:
             return estimate.peak
         raise AssertionError("a probe trace compiled its graph instead of estimating it")
 
+    budget = _bisect(probe, full, hbm, LOOP_SEARCH_STEPS)
+    return trace(LoopBodyTrial(budget, peak_at_full_budget=full))
+
+
+def _bisect(estimate: Callable[[float], int], full: int, hbm: int, steps: int) -> float:
+    """The largest budget below 1 whose ``estimate`` fits ``hbm``, found by bisection (fitting: look higher;
+    not: lower) in ``steps`` steps, then 0; when none fits, the budget of the smallest estimate, the larger
+    budget among equal ones (``full``: the estimate at 1, which does not fit). The estimate is not monotone near
+    0: saving nothing makes the backward recompute every layer's activations at once."""
+    tried = {1.0: full}
     low, high = 0.0, 1.0
-    for _ in range(LOOP_SEARCH_STEPS):
+    for _ in range(steps):
         middle = (low + high) / 2
-        tried[middle] = probe(middle)
+        tried[middle] = estimate(middle)
         low, high = (middle, high) if _fits(tried[middle], hbm) else (low, middle)
     if low == 0.0:
-        tried[0.0] = probe(0.0)
+        tried[0.0] = estimate(0.0)
     fitting = [budget for budget, peak in tried.items() if _fits(peak, hbm) and budget < 1.0]
-    budget = max(fitting) if fitting else min(tried, key=lambda b: (tried[b], -b))
-    return trace(LoopBodyTrial(budget, peak_at_full_budget=full))
+    return max(fitting) if fitting else min(tried, key=lambda b: (tried[b], -b))
 
 
 def fitting_partition(config: Options, uses: Sequence[str | None], trial: LoopBodyTrial = FIRST_TRIAL
@@ -192,9 +200,8 @@ def fitting_partition(config: Options, uses: Sequence[str | None], trial: LoopBo
             choice = BudgetChoice(budget, False, peak, hbm, None, in_loop_bodies=loops)
         elif loops:
             forward, backward, peak = split(1.0)
-            searching = trial.probe or (trial.peak_at_full_budget is None and hbm is not None and peak > hbm)
-            if searching and hbm is not None:
-                raise LoopBodyEstimate(trial.budget, peak, hbm)
+            if hbm is not None and (trial.probe or (trial.peak_at_full_budget is None and peak > hbm)):
+                raise LoopBodyEstimate(trial.budget, peak, hbm)  # a probe's estimate, or the search's start
             choice = BudgetChoice(trial.budget, True, peak, hbm, trial.peak_at_full_budget, in_loop_bodies=True)
         else:
             forward, backward, choice = _search(
@@ -209,23 +216,19 @@ def _search(split: Callable[[float], tuple[Any, Any, int]], hbm: int | None, mar
             ) -> tuple[Any, Any, BudgetChoice]:
     """The partition at the largest budget whose estimate fits ``hbm``: 1 when the estimate at 1 is within the
     chip (or there is no HBM to fit), else, with the values between repeated blocks marked to be saved
-    (``mark_boundaries``), found by bisection (fitting: look higher; not: lower), then 0; when none fits, the
-    budget of the smallest estimate (the report then says it does not fit). The estimate is not monotone near
-    0: saving nothing makes the backward recompute every layer's activations at once."""
+    (``mark_boundaries``), found by ``_bisect``; when none fits, the budget of the smallest estimate (the
+    report then says it does not fit)."""
     forward, backward, full = split(1.0)
     if hbm is None or full <= hbm:  # within the estimate's error of fitting: left to XLA as it is
         return forward, backward, BudgetChoice(1.0, True, full, hbm, None)
     boundaries = mark_boundaries()
     tried = {1.0: (forward, backward, full)}
-    low, high = 0.0, 1.0
-    for _ in range(SEARCH_STEPS):
-        middle = (low + high) / 2
-        tried[middle] = split(middle)
-        low, high = (middle, high) if _fits(tried[middle][2], hbm) else (low, middle)
-    if low == 0.0:
-        tried[0.0] = split(0.0)
-    fitting = [budget for budget, (_, _, peak) in tried.items() if _fits(peak, hbm)]
-    budget = max(fitting) if fitting else min(tried, key=lambda b: (tried[b][2], -b))
+
+    def estimate(budget: float) -> int:
+        tried[budget] = split(budget)
+        return tried[budget][2]
+
+    budget = _bisect(estimate, full, hbm, SEARCH_STEPS)
     forward, backward, peak = tried[budget]
     return forward, backward, BudgetChoice(budget, True, peak, hbm, full, boundaries if budget < 1 else 0)
 
