@@ -1,5 +1,6 @@
 """Rolled layers against unrolled ones and eager: Hugging Face's own decoder and encoder stacks, trained at two
-sequence lengths, forward and every gradient, with the roll proved to have happened (a loop in the programs)."""
+sequence lengths (against eager at both, against the unrolled stacks at the first), forward and every gradient,
+with the roll proved to have happened (a loop in the programs)."""
 
 from __future__ import annotations
 
@@ -84,16 +85,19 @@ def test_rolled_stacks_train_like_unrolled_and_eager(name, cache_dir):
             torch._dynamo.reset()
             rolled = _step(model, torch.compile(model, backend="tpucompile", options={"roll_layers": True}),
                            tokens, valid)
-            torch._dynamo.reset()
-            unrolled = _step(model, torch.compile(model, backend="tpucompile", options={"roll_layers": False}),
-                             tokens, valid)
             eager = _step(model, model, tokens, valid)
-            for got, tolerance in ((rolled, 2e-5), (unrolled, 2e-5)):
-                torch.testing.assert_close(got[0], eager[0], rtol=tolerance, atol=tolerance)
+            compared = [rolled]
+            if length == 12:  # against the unrolled stacks at one length: a second adds compile time, not a path
+                torch._dynamo.reset()
+                unrolled = _step(model, torch.compile(model, backend="tpucompile", options={"roll_layers": False}),
+                                 tokens, valid)
+                torch.testing.assert_close(rolled[0], unrolled[0], rtol=1e-6, atol=1e-6)
+                compared.append(unrolled)
+            for got in compared:
+                torch.testing.assert_close(got[0], eager[0], rtol=2e-5, atol=2e-5)
                 assert got[1].keys() == eager[1].keys()
                 for key in eager[1]:
                     torch.testing.assert_close(got[1][key], eager[1][key], rtol=1e-4, atol=1e-5, msg=key)
-            torch.testing.assert_close(rolled[0], unrolled[0], rtol=1e-6, atol=1e-6)
     finally:
         remove()
     roles = {event.rsplit("(", 1)[-1] for event in loops}
