@@ -142,9 +142,11 @@ def _aot_autograd_settings(config: Options, trial: LoopBodyTrial = FIRST_TRIAL) 
     stay inside the graphs instead of becoming runtime inputs that AOTAutograd passes as None. The activation
     budget is this compile's, not the process's (the option is in the plan key): the one rolled layers' loop
     bodies are partitioned at while the trace runs (``traced_budget``; at "auto", ``trial``'s); the partition
-    of the whole graph picks its own."""
+    of the whole graph picks its own. With ``recompute_product_operands``, the partition may recompute values
+    that products read."""
     return torch._functorch.config.patch(unlift_effect_tokens=True,
-                                         activation_memory_budget=traced_budget(config, trial))
+                                         activation_memory_budget=traced_budget(config, trial),
+                                         ban_recompute_materialized_backward=not config.recompute_product_operands)
 
 
 def _compile_only_when_meta(config: Options, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Options:

@@ -125,6 +125,15 @@ class Options:
     (1.7% of XLA's estimated cycles on the example GPT's training step on a v5e). The same sums, in another
     order. False sums the concatenation whole."""
 
+    recompute_product_operands: bool = False
+    """A training step's partition may recompute in the backward a value that a matrix product reads
+    (SwiGLU's ``silu(gate) * up``, an RMSNorm's output) instead of saving it; False keeps AOTAutograd's rule,
+    made for Inductor, whose products cannot read through elementwise ops: every value a product reads is
+    saved. XLA's TPU compiler can compute such a value inside the product's operand, so True saves less for the
+    backward, at a price in the backward's own temporaries and traffic (measured on a v5e, ``docs/benchmarks.md``:
+    a 0.86B Llama's forward saves 8106 -> 5642 MiB, its step's peak 11992 -> 11514 MiB, cycles and bytes level;
+    at a quarter of its width and depth the peak falls 12% and the bytes rise 9%)."""
+
     roll_layers: bool | str = "auto"
     """Runs of identical layers (the items of an ``nn.ModuleList`` a model loops over) are compiled as one loop
     over their parameters stacked per layer, forward and backward (``frontend/layer_rolling.py``): XLA
