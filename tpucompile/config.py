@@ -126,13 +126,14 @@ class Options:
     order. False sums the concatenation whole."""
 
     recompute_product_operands: bool = False
-    """A training step's partition may recompute in the backward a value that a matrix product reads
-    (SwiGLU's ``silu(gate) * up``, an RMSNorm's output) instead of saving it; False keeps AOTAutograd's rule,
-    made for Inductor, whose products cannot read through elementwise ops: every value a product reads is
-    saved. XLA's TPU compiler can compute such a value inside the product's operand, so True saves less for the
-    backward, at a price in the backward's own temporaries and traffic (measured on a v5e, ``docs/benchmarks.md``:
-    a 0.86B Llama's forward saves 8106 -> 5642 MiB, its step's peak 11992 -> 11514 MiB, cycles and bytes level;
-    at a quarter of its width and depth the peak falls 12% and the bytes rise 9%)."""
+    """Peak memory for cycles, on request: a training step's partition may recompute in the backward a value a
+    matrix product reads (SwiGLU's ``silu(gate) * up``, an RMSNorm's output) instead of saving it, and the
+    backward computes each layer's parameter gradients before the next layer's products
+    (``passes/gradient_order.py``). False keeps AOTAutograd's rule, made for Inductor, whose products cannot
+    read through elementwise ops: every value a product reads is saved. XLA's TPU compiler computes such a
+    value inside the product's operand. Measured on a v5e (``docs/benchmarks.md``), a 0.86B Llama's training
+    step: saved 8106 -> 5642 MiB, peak 11992 -> 9671 MiB, HBM bytes 133.3 -> 112.7 GB, estimated cycles
+    449 -> 512M (the ordering makes XLA write out operands it fused into the products)."""
 
     roll_layers: bool | str = "auto"
     """Runs of identical layers (the items of an ``nn.ModuleList`` a model loops over) are compiled as one loop

@@ -15,6 +15,7 @@ import torch.fx
 from tpucompile.passes.concat_sums import sum_concatenations_by_part
 from tpucompile.passes.constants import lift_large_constants
 from tpucompile.passes.dead_code import eliminate_dead_code
+from tpucompile.passes.gradient_order import order_parameter_gradients
 from tpucompile.passes.noop_views import remove_noop_views
 from tpucompile.passes.partition import isolate_node, partition_supported
 from tpucompile.passes.saved_values import saved_value_mismatch
@@ -36,9 +37,11 @@ def run_passes(
     plan: ShardPlan | None = None,
     processes: int = 1,
     sum_concatenations: bool = True,
+    order_gradients: bool = False,
 ) -> PassResult:
     """Clean ``gm`` in place: drop no-op views, sum concatenations part by part (``sum_concatenations``),
-    drop dead code, lift large constants; with a ``mesh``, annotate the inputs and outputs with their
+    drop dead code, compute a backward's parameter gradients in the graph's order (``order_gradients``), lift
+    large constants; with a ``mesh``, annotate the inputs and outputs with their
     shardings (``plan``: a plan bound to the graph's Dynamo inputs; ``processes``: how many processes share
     the mesh).
 
@@ -55,6 +58,8 @@ def run_passes(
     eliminate_dead_code(gm)
     if after_pass:
         after_pass("eliminate_dead_code", gm)
+    if order_gradients and order_parameter_gradients(gm) and after_pass:
+        after_pass("order_parameter_gradients", gm)
     lifted = lift_large_constants(gm, embed_constant_limit)
     if after_pass:
         after_pass("lift_large_constants", gm)
@@ -70,6 +75,7 @@ __all__ = [
     "eliminate_dead_code",
     "isolate_node",
     "lift_large_constants",
+    "order_parameter_gradients",
     "partition_supported",
     "remove_noop_views",
     "run_passes",

@@ -25,6 +25,7 @@ from tpucompile.lowering.rules import (  # noqa: F401
     reductions,
     resampling,
     scans,
+    scheduling,
     search,
     sorting,
     special,
