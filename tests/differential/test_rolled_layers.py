@@ -1,6 +1,7 @@
 """Rolled layers against unrolled ones and eager: Hugging Face's own decoder and encoder stacks, trained at two
-sequence lengths (against eager at both, against the unrolled stacks at the first), forward and every gradient,
-with the roll proved to have happened (a loop in the programs)."""
+sequence lengths (against eager at both, against the unrolled stacks at the first; T5, whose encoder and decoder
+each roll, at the first only), forward and every gradient, with the roll proved to have happened (a loop in the
+programs)."""
 
 from __future__ import annotations
 
@@ -78,7 +79,7 @@ def test_rolled_stacks_train_like_unrolled_and_eager(name, cache_dir):
     remove = driver.add_observer(lambda event: loops.extend(
         event.name for n in (event.graph.graph.nodes if event.graph is not None else ()) if is_loop(n)))
     try:
-        for length in (12, 20):
+        for length in (12,) if name == "t5" else (12, 20):  # T5's two stacks cost twice: one length
             tokens = torch.randint(1, 128, (2, length))
             valid = torch.ones(2, length, dtype=torch.long)
             valid[1, -3:] = 0
