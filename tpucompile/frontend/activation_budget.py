@@ -47,6 +47,7 @@ from tpucompile.contracts.loop_ops import is_loop
 from tpucompile.contracts.target_names import GENERATIONS
 from tpucompile.contracts.target_names import parse as parse_target
 from tpucompile.frontend.block_boundaries import mark_block_boundaries
+from tpucompile.passes.noop_views import is_view
 from tpucompile.passes.rolled_loops import tidy_rolled_loops
 from tpucompile.sharding.annotate import input_index
 
@@ -258,7 +259,7 @@ def program_peak(gm: torch.fx.GraphModule, size: Callable[[torch.fx.Node], int])
     size = _unless_fused(size, _fused(nodes))
     owner: dict[torch.fx.Node, torch.fx.Node] = {}
     for node in nodes:
-        base = node.args[0] if _is_view(node) and node.args and isinstance(node.args[0], torch.fx.Node) else None
+        base = node.args[0] if is_view(node) and node.args and isinstance(node.args[0], torch.fx.Node) else None
         owner[node] = owner[base] if base is not None else node
     last = {node: (len(nodes) if node.op in ("placeholder", "output") else index) for index, node in enumerate(nodes)}
     for index, node in enumerate(nodes):
@@ -287,7 +288,7 @@ def _fused(nodes: list[torch.fx.Node]) -> set[torch.fx.Node]:
     for index in range(len(nodes) - 1, -1, -1):
         barrier_after[nodes[index]] = next_barrier
         node = nodes[index]
-        if node.op == "call_function" and not (_fuses_producers(node) or _is_view(node)
+        if node.op == "call_function" and not (_fuses_producers(node) or is_view(node)
                                                or node.target is operator.getitem):
             next_barrier = index
     position = {node: index for index, node in enumerate(nodes)}
@@ -313,17 +314,6 @@ def _fuses_producers(node: torch.fx.Node) -> bool:
     only such ops read is never stored."""
     return _pointwise(node) or (node.op == "call_function"
                                 and torch.Tag.reduction in getattr(node.target, "tags", ()))
-
-
-def _is_view(node: torch.fx.Node) -> bool:
-    """An op whose result aliases its first argument (its schema says so)."""
-    if node.op != "call_function":
-        return False
-    schema = getattr(node.target, "_schema", None)
-    if schema is None or not schema.arguments:
-        return False
-    alias = schema.arguments[0].alias_info
-    return alias is not None and not alias.is_write
 
 
 def _bytes(value: Any) -> int:

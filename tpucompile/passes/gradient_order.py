@@ -21,6 +21,7 @@ import torch
 import torch.fx
 
 from tpucompile.contracts.schedule_ops import together
+from tpucompile.passes.noop_views import is_view
 
 aten = torch.ops.aten
 
@@ -71,7 +72,7 @@ def order_parameter_gradients(gm: torch.fx.GraphModule) -> int:
 def _through_views(node: torch.fx.Node) -> tuple[torch.fx.Node, list[torch.fx.Node]]:
     """The value ``node`` views (itself when it is no view) and the views in between, the outermost first."""
     views = []
-    while node.op == "call_function" and _is_view(node) and isinstance(node.args[0], torch.fx.Node):
+    while node.op == "call_function" and is_view(node) and isinstance(node.args[0], torch.fx.Node):
         views.append(node)
         node = node.args[0]
     return node, views
@@ -96,11 +97,3 @@ def _reads_gradients(graph: torch.fx.Graph) -> set[torch.fx.Node]:
             late.add(node)
     return late
 
-
-def _is_view(node: torch.fx.Node) -> bool:
-    """An op whose result aliases its first argument (its schema says so)."""
-    schema = getattr(node.target, "_schema", None)
-    if schema is None or not schema.arguments:
-        return False
-    alias = schema.arguments[0].alias_info
-    return alias is not None and not alias.is_write

@@ -93,3 +93,14 @@ def remove_noop_views(gm: torch.fx.GraphModule) -> int:
     if removed:
         gm.recompile()
     return removed
+
+
+def is_view(node: torch.fx.Node) -> bool:
+    """An op whose result aliases its first argument (its schema says so)."""
+    if node.op != "call_function":
+        return False
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or not schema.arguments:
+        return False
+    alias = schema.arguments[0].alias_info
+    return alias is not None and not alias.is_write
