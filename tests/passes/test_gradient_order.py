@@ -72,9 +72,8 @@ def test_each_layers_parameter_gradients_are_computed_before_the_next_layers_pro
         stream, *bases = tie.args
         items = {item.args[1]: item for item in tie.users}
         assert all(item.target is operator.getitem for item in items.values())
-        # the stream's value is read by the product right after the tie, and nothing reads the stream itself
-        # between the tie and that product
-        (reader,) = [user for user in items[0].users]
+        # the tied stream value is read by one node only: the product after the tie
+        (reader,) = items[0].users
         assert reader.target in PRODUCTS and order[reader] > order[tie]
         for index, base in enumerate(bases, start=1):
             assert base.op == "call_function" and base is not stream

@@ -49,7 +49,7 @@ def _compile_graph(gm: torch.fx.GraphModule, targets: CompileTargets, options: O
     after_pass = functools.partial(record_graph, name) if recording() else None
     passes = run_passes(gm, options.embed_constant_limit, after_pass, options.mesh, options.shard,
                         process_count() if options.mesh is not None else 1, options.sum_concat_by_part,
-                        options.recompute_product_operands)
+                        order_gradients=options.recompute_product_operands)
     unsupported = [n for n in gm.graph.nodes if unsupported_reason(n) is not None]
     data_dependent = [n for n in gm.graph.nodes if has_data_dependent_size(n)]
     if not unsupported and not data_dependent:

@@ -45,9 +45,7 @@ def order_parameter_gradients(gm: torch.fx.GraphModule) -> int:
             continue
         if node.target not in PRODUCTS or not pending:
             continue
-        stream = next((source for source in node.all_input_nodes
-                       if source in late and source not in results and isinstance(source.meta.get("val"),
-                                                                                    torch.Tensor)), None)
+        stream = _stream_operand(node, late, results)
         if stream is None:
             continue
         chains = [_through_views(result) for result in pending]
@@ -67,6 +65,13 @@ def order_parameter_gradients(gm: torch.fx.GraphModule) -> int:
     graph.lint()
     gm.recompile()
     return ties
+
+
+def _stream_operand(product: torch.fx.Node, late: set[torch.fx.Node], results: set[torch.fx.Node]
+                    ) -> torch.fx.Node | None:
+    """The tensor operand of ``product`` computed from the incoming gradients (not itself a result), if any."""
+    return next((source for source in product.all_input_nodes if source in late and source not in results
+                 and isinstance(source.meta.get("val"), torch.Tensor)), None)
 
 
 def _through_views(node: torch.fx.Node) -> tuple[torch.fx.Node, list[torch.fx.Node]]:
