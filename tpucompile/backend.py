@@ -123,7 +123,7 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], config: 
                 bw_compiler=compiler("backward"),
                 inference_compiler=compiler("inference"),
                 decompositions=decompositions_for(targets, config),
-                partition_fn=fitting_partition(config, uses, trial),
+                partition_fn=fitting_partition(config, trial),
             )(gm, example_inputs))
 
     compiled = fit_loop_bodies(trace)

@@ -171,7 +171,9 @@ def test_auto_lowers_the_loop_bodies_budget_until_the_estimate_fits(monkeypatch)
     monkeypatch.setattr(activation_budget, "target_hbm", lambda config: 1024)
     _, _, none_fits = _train("auto", x, roll=True)
     assert none_fits["fits"] is False and none_fits["budget"] < 1.0, none_fits
-    assert none_fits["estimated_peak"] == least["estimated_peak"]
+    # the smallest of the estimates tried, 0 among them (with a loop body's working set counted, the estimate is
+    # not monotone in the budget: at 0 each iteration recomputes, and holds, more)
+    assert none_fits["estimated_peak"] <= least["estimated_peak"]
 
 
 def test_auto_takes_the_smallest_estimate_and_says_so_when_none_fits(monkeypatch):

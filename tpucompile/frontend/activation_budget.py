@@ -32,9 +32,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import math
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -42,11 +41,12 @@ import torch.fx
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from tpucompile.config import Options
-from tpucompile.contracts.input_uses import BUDGET_KEY, PARAMETERS
-from tpucompile.contracts.loop_ops import is_loop
+from tpucompile.contracts.input_uses import BUDGET_KEY
+from tpucompile.contracts.loop_ops import body_of, is_loop, loop_parts
 from tpucompile.contracts.target_names import GENERATIONS
 from tpucompile.contracts.target_names import parse as parse_target
 from tpucompile.frontend.block_boundaries import mark_block_boundaries
+from tpucompile.frontend.tensor_split import Split, divisor, gathered_updates, value_splits
 from tpucompile.passes.noop_views import is_view
 from tpucompile.passes.rolled_loops import tidy_rolled_loops
 from tpucompile.sharding.annotate import input_index
@@ -175,24 +175,24 @@ def _bisect(estimate: Callable[[float], int], full: int, hbm: int, steps: int) -
     return max(fitting) if fitting else min(tried, key=lambda b: (tried[b], -b))
 
 
-def fitting_partition(config: Options, uses: Sequence[str | None], trial: LoopBodyTrial = FIRST_TRIAL
-                      ) -> Callable[..., Any]:
+def fitting_partition(config: Options, trial: LoopBodyTrial = FIRST_TRIAL) -> Callable[..., Any]:
     """An AOTAutograd partition function for ``config``: the min-cut at the option's budget, or, with the option
     at "auto", at the largest budget whose estimated step peak fits the targets' HBM (1 when it fits as it is,
-    or when there is no target to fit). ``uses`` is each graph input's use (``frontend.graph_input_uses``).
+    or when there is no target to fit).
     A graph with rolled layers is split at 1 around its loops, whose bodies were partitioned at ``trial``'s
     budget (or the option's) during the trace; at "auto" it raises ``LoopBodyEstimate`` for a probe trial, and
     for the full budget when that does not fit (``fit_loop_bodies``)."""
     hbm = target_hbm(config)
-    divisors = _input_divisors(config)
-    activation_divisor = max((d for d, use in zip(divisors, uses, strict=False) if use != PARAMETERS), default=1)
+    axis_sizes = dict(config.mesh.axes) if config.mesh is not None else {}
+    splits = _input_splits(config)
+    gradient_splits = _gradient_splits(config, splits)
 
     def partition(joint_module: torch.fx.GraphModule, joint_inputs: Sequence[Any], **kwargs: Any) -> Any:
         tidy_rolled_loops(joint_module)
         def split(budget: float) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule, int]:
             with torch._functorch.config.patch(activation_memory_budget=budget):
                 forward, backward = min_cut_rematerialization_partition(joint_module, joint_inputs, **kwargs)
-            return forward, backward, step_peak(forward, backward, divisors, activation_divisor)
+            return forward, backward, step_peak(forward, backward, axis_sizes, splits, gradient_splits)
 
         loops = any(is_loop(node) for node in joint_module.graph.nodes)
         if config.activation_memory_budget != "auto":
@@ -234,32 +234,81 @@ def _search(split: Callable[[float], tuple[Any, Any, int]], hbm: int | None, mar
     return forward, backward, BudgetChoice(budget, True, peak, hbm, full, boundaries if budget < 1 else 0)
 
 
-def step_peak(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule, input_divisors: Sequence[int] = (),
-              activation_divisor: int = 1) -> int:
+def step_peak(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule,
+              axis_sizes: Mapping[str, int] | None = None, input_splits: Sequence[Split | None] = (),
+              gradient_splits: Sequence[Split | None] = ()) -> int:
     """Estimated peak bytes per chip of a forward and its backward: the larger of the forward's own peak and the
     backward's plus the forward inputs it does not read (held by the caller meanwhile: parameters, the batch).
-    ``input_divisors[i]``: how many chips share graph input i; other values are split ``activation_divisor``
-    ways (the batch's split)."""
+    ``input_splits[i]``: the mesh axes (of sizes ``axis_sizes``) that split graph input i, which
+    ``tensor_split`` follows to every value (whole without a plan); ``gradient_splits[i]``: how the backward
+    returns the gradient of input i."""
+
+    axis_sizes = axis_sizes or {}
+
+    def input_split(node: torch.fx.Node) -> Split | None:
+        index = input_index(node.name)
+        return input_splits[index] if index is not None and index < len(input_splits) else None
+
+    forward_splits = value_splits(forward, axis_sizes, input_split)
+    forward_nodes = {node.name: node for node in forward.graph.nodes}
+    backward_splits = value_splits(backward, axis_sizes, lambda node: input_split(node) if input_index(node.name)
+                                   is not None else forward_splits.get(forward_nodes.get(node.name)), gradient_splits)
+    splits = {**forward_splits, **backward_splits}
+    weight_stacks = {node.name for node in forward.graph.nodes if _stacks_inputs(node)}
+    """The forward's stacked parameters, which a backward reads under the same names."""
 
     def size(node: torch.fx.Node) -> int:
-        index = input_index(node.name) if node.op == "placeholder" else None
-        divisor = input_divisors[index] if index is not None and index < len(input_divisors) else activation_divisor
-        return _bytes(node.meta.get("val")) // max(divisor, 1)
+        own = _bytes(node.meta.get("val")) // divisor(splits.get(node), axis_sizes)
+        return own + gathered_updates(node, splits, axis_sizes)
+
+    def working_set(loop: torch.fx.Node) -> int:
+        """One iteration of ``loop``: its inputs are slices of stacks and carries its graph holds already,
+        except a layer's weights, which the iteration gathers across the axes that split them with the batch."""
+        _, init, xs, _, _, _ = loop_parts(loop)
+        body = body_of(loop)
+        placeholders = [node for node in body.graph.nodes if node.op == "placeholder"]
+        weights = {inner for inner, outer in zip(placeholders[len(init):], xs, strict=False)
+                   if isinstance(outer, torch.fx.Node)
+                   and (_stacks_inputs(outer) or (outer.op == "placeholder" and outer.name in weight_stacks))}
+        batch_axes = frozenset().union(*(axes for node in placeholders if node not in weights
+                                         for axes in splits.get(node, ())))
+
+        def body_size(node: torch.fx.Node) -> int:
+            if node.op != "placeholder":
+                return size(node)
+            if node not in weights:
+                return 0
+            gathered = tuple(axes - batch_axes for axes in splits.get(node, ()))
+            return _bytes(node.meta.get("val")) // divisor(gathered, axis_sizes)
+
+        return program_peak(body, body_size)
 
     read_by_backward = {n.name for n in backward.graph.nodes if n.op == "placeholder"}
     held = sum(size(n) for n in forward.graph.nodes if n.op == "placeholder" and n.name not in read_by_backward)
-    return max(program_peak(forward, size), program_peak(backward, size) + held)
+    return max(program_peak(forward, size, working_set), program_peak(backward, size, working_set) + held)
 
 
-def program_peak(gm: torch.fx.GraphModule, size: Callable[[torch.fx.Node], int]) -> int:
+def _stacks_inputs(node: torch.fx.Node) -> bool:
+    """Whether ``node`` stacks graph inputs (a rolled loop's stacked parameters: a concatenation of each
+    layer's value given a new leading axis)."""
+    if node.op != "call_function" or node.target is not torch.ops.aten.cat.default or not node.args[0]:
+        return False
+    return all(isinstance(part, torch.fx.Node) and is_view(part) and isinstance(part.args[0], torch.fx.Node)
+               and part.args[0].op == "placeholder" for part in node.args[0])
+
+
+def program_peak(gm: torch.fx.GraphModule, size: Callable[[torch.fx.Node], int],
+                 working_set: Callable[[torch.fx.Node], int] | None = None) -> int:
     """The most bytes live at once while ``gm``'s ops run in order: inputs throughout, each other value from
     its op to its last reader (the output's values to the end), a view's bytes as its base's, and nothing for
-    an elementwise result only elementwise ops and reductions read (fused away)."""
+    an elementwise result only elementwise ops and reductions read (fused away). A loop holds its results from
+    its start, and while it runs, ``working_set(loop)``: one iteration's own values."""
     nodes = list(gm.graph.nodes)
     size = _unless_fused(size, _fused(nodes))
     owner: dict[torch.fx.Node, torch.fx.Node] = {}
     for node in nodes:
-        base = node.args[0] if is_view(node) and node.args and isinstance(node.args[0], torch.fx.Node) else None
+        base = node.args[0] if (is_view(node) or _loop_result(node)) and node.args and isinstance(
+            node.args[0], torch.fx.Node) else None
         owner[node] = owner[base] if base is not None else node
     last = {node: (len(nodes) if node.op in ("placeholder", "output") else index) for index, node in enumerate(nodes)}
     for index, node in enumerate(nodes):
@@ -270,13 +319,24 @@ def program_peak(gm: torch.fx.GraphModule, size: Callable[[torch.fx.Node], int])
     for node, index in last.items():
         if owner[node] is node:
             frees[index].append(node)
+
+    def own_bytes(node: torch.fx.Node) -> int:
+        return sum(size(user) for user in node.users if _loop_result(user)) if is_loop(node) else size(node)
+
+    sizes = {node: own_bytes(node) for node in nodes if owner[node] is node}
     live = peak = 0
     for index, node in enumerate(nodes):
         if owner[node] is node:
-            live += size(node)
-        peak = max(peak, live)
-        live -= sum(size(freed) for freed in frees[index])
+            live += sizes[node]
+        transient = working_set(node) if working_set is not None and is_loop(node) else 0
+        peak = max(peak, live + transient)
+        live -= sum(sizes[freed] for freed in frees[index])
     return peak
+
+
+def _loop_result(node: torch.fx.Node) -> bool:
+    return (node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], torch.fx.Node)
+            and is_loop(node.args[0]))
 
 
 def _fused(nodes: list[torch.fx.Node]) -> set[torch.fx.Node]:
@@ -334,10 +394,19 @@ def _hint(size: int | torch.SymInt) -> int:
     return int(size)
 
 
-def _input_divisors(config: Options) -> tuple[int, ...]:
-    """For each graph input, how many chips share it under the bound sharding plan (1 each without a mesh)."""
-    plan, mesh = config.shard, config.mesh
-    if plan is None or mesh is None or plan.bound is None:
+def _input_splits(config: Options) -> tuple[Split | None, ...]:
+    """For each graph input, the mesh axes that split each of its dimensions under the bound sharding plan."""
+    plan = config.shard
+    if plan is None or config.mesh is None or plan.bound is None:
         return ()
-    return tuple(1 if dims is None else math.prod(mesh.axis_size(axis) for dim in dims for axis in dim)
-                 for dims in plan.bound)
+    return tuple(None if dims is None else tuple(frozenset(axes) for axes in dims) for dims in plan.bound)
+
+
+def _gradient_splits(config: Options, input_splits: Sequence[Split | None]) -> tuple[Split | None, ...]:
+    """How the backward returns each input's gradient (``sharding.annotate``): laid out as the input under a
+    fully sharded plan, whole under another."""
+    if not input_splits:
+        return ()
+    if config.shard.spread_axis(config.mesh) is not None:
+        return tuple(input_splits)
+    return tuple(None if split is None else (frozenset(),) * len(split) for split in input_splits)
