@@ -12,7 +12,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from tpucompile.contracts.loop_ops import SCAN, body_of, is_loop
 from tpucompile.frontend import activation_budget
-from tpucompile.frontend.tensor_split import divisor, value_splits
+from tpucompile.frontend.tensor_split import divisor, gathered_updates, value_splits
 
 AXES = {"data": 4, "model": 8}
 D, H, B = 64, 512, 32
@@ -151,3 +151,20 @@ def test_loop_body_working_set_counts() -> None:
 
     with_body = activation_budget.program_peak(gm, size, working_set)
     assert with_body >= without + B * H * 4  # at least the body's [B, H] intermediate on top
+
+
+def test_scatter_across_a_shared_axis_gathers_the_smaller_side() -> None:
+    """An embedding's gradient: token rows split by the batch scattered into a table split by FSDP along the
+    same axis; XLA gathers the updates or the table across it, whichever is smaller."""
+    def gradient_into(vocab: int) -> object:
+        return lambda ids, rows: torch.zeros(vocab, D).index_put((ids,), rows, accumulate=True)
+
+    for tokens, vocab in ((4096, 100), (64, 100_000)):
+        ids, rows = torch.randint(0, 100, (tokens,)), torch.randn(tokens, D)
+        gm = make_fx(gradient_into(vocab), tracing_mode="fake")(ids, rows)
+        placeholders = [node for node in gm.graph.nodes if node.op == "placeholder"]
+        given = dict(zip(placeholders, [(DATA,), (DATA, WHOLE)], strict=True))
+        scatter = _by_target(gm, torch.ops.aten.index_put.default)[0]
+        splits = value_splits(gm, AXES, given.get, [(DATA, WHOLE)])  # the gradient leaves laid out as its table
+        assert splits[scatter] == (DATA, WHOLE)
+        assert gathered_updates(scatter, splits, AXES) == min(tokens, vocab) * D * 4

@@ -300,17 +300,22 @@ def _lay_out_outputs(gm: torch.fx.GraphModule, splits: dict[torch.fx.Node, Split
 
 def gathered_updates(node: torch.fx.Node, splits: Mapping[torch.fx.Node, Split], axis_sizes: Mapping[str, int]
                      ) -> int:
-    """Bytes per chip of the updates an ``index_put`` gathers: where they are split by an axis that also splits
-    the tensor they are scattered into (an embedding's gradient: tokens split by the batch, the table by
-    FSDP), XLA gathers them whole across that axis first (4 GiB per chip of a 405B-shaped plan's backward)."""
+    """Bytes per chip an ``index_put`` holds beyond its result when its updates are split by an axis that also
+    splits the tensor they are scattered into (an embedding's gradient: tokens split by the batch, the table
+    by FSDP): XLA gathers across that axis either the updates or the table, whichever is smaller (the updates,
+    4 GiB per chip, in a 405B-shaped plan's backward)."""
     if node.target is not torch.ops.aten.index_put.default or len(node.args) < 3:
         return 0
     values = node.args[2]
     if not isinstance(values, torch.fx.Node) or values not in splits or node not in splits:
         return 0
-    taken = frozenset().union(*splits[node])
-    gathered = tuple(axes - taken for axes in splits[values])
-    if gathered == splits[values]:
+    shared = frozenset().union(*splits[node]) & frozenset().union(*splits[values])
+    if not shared:
         return 0
-    val = values.meta["val"]
-    return val.numel() * val.element_size() // divisor(gathered, axis_sizes)
+    return min(_bytes_across(value, splits[value], shared, axis_sizes) for value in (values, node))
+
+
+def _bytes_across(node: torch.fx.Node, split: Split, gathered: frozenset[str], axis_sizes: Mapping[str, int]) -> int:
+    """Bytes per chip of ``node`` gathered whole across the axes ``gathered``."""
+    val = node.meta["val"]
+    return val.numel() * val.element_size() // divisor(tuple(axes - gathered for axes in split), axis_sizes)
