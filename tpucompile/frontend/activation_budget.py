@@ -21,7 +21,9 @@ at the one it picked.
 The estimate is a liveness walk over each ATen graph in its order: every value is held from the op that makes
 it to its last reader, views hold nothing of their own, elementwise results read only nearby by elementwise
 ops and reductions are fused away, a graph's inputs are held throughout, and what the forward reads but does
-not save stays resident while the backward runs. It follows the graph's order, not XLA's schedule: where a
+not save stays resident while the backward runs. Under a mesh each value counts its share per chip, the plan's
+split followed through the graphs (``tensor_split``), and a rolled loop holds its stacked results from its start
+and one iteration's working set while it runs. It follows the graph's order, not XLA's schedule: where a
 partition recomputes a long chain (a residual stream from the embedding, which saving the blocks' boundaries
 prevents), XLA keeps far more alive than the walk does, and ``FIT_FRACTION`` leaves room for the error
 measured on partitions that do not; the compile's own report is the word on whether the step fits. It does
@@ -254,8 +256,8 @@ def step_peak(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule,
     backward_splits = value_splits(backward, axis_sizes, lambda node: input_split(node) if input_index(node.name)
                                    is not None else forward_splits.get(forward_nodes.get(node.name)), gradient_splits)
     splits = {**forward_splits, **backward_splits}
+    # the forward's stacked parameters, which a backward reads under the same names
     weight_stacks = {node.name for node in forward.graph.nodes if _stacks_inputs(node)}
-    """The forward's stacked parameters, which a backward reads under the same names."""
 
     def size(node: torch.fx.Node) -> int:
         own = _bytes(node.meta.get("val")) // divisor(splits.get(node), axis_sizes)
