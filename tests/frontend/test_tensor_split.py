@@ -168,3 +168,21 @@ def test_scatter_across_a_shared_axis_gathers_the_smaller_side() -> None:
         splits = value_splits(gm, AXES, given.get, [(DATA, WHOLE)])  # the gradient leaves laid out as its table
         assert splits[scatter] == (DATA, WHOLE)
         assert gathered_updates(scatter, splits, AXES) == min(tokens, vocab) * D * 4
+
+
+def test_symbolic_sizes_are_read_at_their_hints_without_guards() -> None:
+    """A graph traced with changing sizes (buckets) is estimated at its traced sizes, adding no guard: matching
+    the sizes of a view that merges two of them (batch x tokens) compares symbols."""
+    def tokens_through_linear(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+        return _mlp(x.reshape(-1, D), w1, w2).reshape(x.shape)
+
+    gm = make_fx(tokens_through_linear, tracing_mode="symbolic")(torch.randn(B, 24, D), *_inputs()[1:])
+    placeholders = [node for node in gm.graph.nodes if node.op == "placeholder"]
+    shape_env = placeholders[0].meta["val"].shape[0].node.shape_env
+    guards = len(shape_env.guards)
+    given = dict(zip(placeholders, [(DATA, WHOLE, WHOLE), SPLITS["w1"], SPLITS["w2"]], strict=True))
+    splits = value_splits(gm, AXES, given.get)
+    assert len(shape_env.guards) == guards
+    column = _by_target(gm, torch.ops.aten.mm.default)[0]
+    assert splits[column] == (DATA, MODEL)
+    assert value_splits(gm, {}, lambda node: None) == {}  # no mesh: nothing to follow

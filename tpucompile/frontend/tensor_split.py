@@ -59,6 +59,8 @@ def value_splits(gm: torch.fx.GraphModule, axis_sizes: Mapping[str, int],
     ``placeholder_split`` gives an input's (None: whole), ``output_splits[i]`` how the program returns its
     output i (``lay_out_outputs``). A tuple-valued node maps to nothing; its elements are found at their
     ``getitem``."""
+    if not axis_sizes:  # no mesh: every value whole
+        return {}
     return _Walk(axis_sizes).graph(gm, placeholder_split, output_splits)
 
 
@@ -106,7 +108,7 @@ class _Walk:
         have = splits.get(source) if source is not None else None
         if have is not None:
             if target in _VIEWS:
-                return self.regroup(tuple(source.meta["val"].shape), have, tuple(val.shape))
+                return self.regroup(_shape(source.meta["val"]), have, _shape(val))
             if target in _PERMUTES:
                 return tuple(have[d % len(have)] for d in args[1])
             if target in _TRANSPOSES:
@@ -152,12 +154,12 @@ class _Walk:
         """An elementwise result: each dimension split as the operands' dimensions it lines up with (from the
         right, as broadcasting lines them up) are, where they have its size."""
         out = [_WHOLE] * val.dim()
-        shape = tuple(val.shape)
+        shape = _shape(val)
         for operand in node.all_input_nodes:
             have = self.splits.get(operand)
             if have is None:
                 continue
-            operand_shape = tuple(operand.meta["val"].shape)
+            operand_shape = _shape(operand.meta["val"])
             for offset in range(1, min(len(have), len(out)) + 1):
                 if operand_shape[-offset] == shape[-offset]:
                     out[-offset] = out[-offset] | have[-offset]
@@ -172,11 +174,11 @@ class _Walk:
         """The most split of ``nodes`` of ``val``'s shape, or, failing any, whose leading dimensions are its
         shape (an attention kernel's row statistics, [batch, heads, tokens] of its query): that split, or
         ``otherwise``."""
-        shape = tuple(val.shape)
+        shape = _shape(val)
         found = []
         for other in nodes:
             have = self.splits.get(other)
-            other_shape = tuple(other.meta["val"].shape) if isinstance(other.meta.get("val"), torch.Tensor) else None
+            other_shape = _shape(other.meta["val"]) if isinstance(other.meta.get("val"), torch.Tensor) else None
             if have is not None and other_shape is not None and other_shape[:len(shape)] == shape:
                 found.append((other_shape == shape, divisor(have[:len(shape)], self.axis_sizes), have[:len(shape)]))
         return max(found, key=lambda item: item[:2])[2] if found else otherwise
@@ -244,6 +246,13 @@ class _Walk:
         return results
 
 
+def _shape(val: torch.Tensor) -> tuple[int, ...]:
+    """A traced value's sizes as numbers, a symbolic size at its hint: read without adding guards to the trace
+    (a graph with changing sizes is estimated at the sizes it was traced with)."""
+    return tuple(int(size.node.hint) if isinstance(size, torch.SymInt) and size.node.hint is not None
+                 else 1 if isinstance(size, torch.SymInt) else int(size) for size in val.shape)
+
+
 def _whole(val: torch.Tensor) -> Split:
     return (_WHOLE,) * val.dim()
 
@@ -281,7 +290,7 @@ def _lay_out_outputs(gm: torch.fx.GraphModule, splits: dict[torch.fx.Node, Split
         if not (isinstance(value, torch.fx.Node) and split is not None
                 and isinstance(value.meta.get("val"), torch.Tensor)):
             continue
-        shape = tuple(value.meta["val"].shape)
+        shape = _shape(value.meta["val"])
         if len(split) != len(shape):
             continue
         while True:
@@ -290,7 +299,7 @@ def _lay_out_outputs(gm: torch.fx.GraphModule, splits: dict[torch.fx.Node, Split
             if not ((is_view(value) or value.target in _CONVERSIONS) and isinstance(base, torch.fx.Node)
                     and isinstance(base.meta.get("val"), torch.Tensor)):
                 break
-            base_shape = tuple(base.meta["val"].shape)
+            base_shape = _shape(base.meta["val"])
             if len(base_shape) == len(shape) + 1 and base_shape[1:] == shape:
                 split = (_WHOLE, *split)  # a layer cut from a stack
             elif len(base_shape) != len(shape):
@@ -318,4 +327,4 @@ def gathered_updates(node: torch.fx.Node, splits: Mapping[torch.fx.Node, Split],
 def _bytes_across(node: torch.fx.Node, split: Split, gathered: frozenset[str], axis_sizes: Mapping[str, int]) -> int:
     """Bytes per chip of ``node`` gathered whole across the axes ``gathered``."""
     val = node.meta["val"]
-    return val.numel() * val.element_size() // divisor(tuple(axes - gathered for axes in split), axis_sizes)
+    return math.prod(_shape(val)) * val.element_size() // divisor(tuple(axes - gathered for axes in split), axis_sizes)
