@@ -186,3 +186,10 @@ def test_symbolic_sizes_are_read_at_their_hints_without_guards() -> None:
     column = _by_target(gm, torch.ops.aten.mm.default)[0]
     assert splits[column] == (DATA, MODEL)
     assert value_splits(gm, {}, lambda node: None) == {}  # no mesh: nothing to follow
+
+
+def test_single_numbers_pass_through() -> None:
+    """A 0-d value read by ops that name a dimension (a reduction over dim 0 of a number) is whole."""
+    gm = make_fx(lambda x: torch.amax(x, 0) + x.sum(0) + x.mean(0), tracing_mode="fake")(torch.tensor(1.0))
+    splits = value_splits(gm, AXES, lambda node: ())
+    assert all(split == (WHOLE,) * len(split) for split in splits.values())
