@@ -92,7 +92,10 @@ class _Walk:
             elif is_loop(node):
                 tuples[node] = self.loop(node)
             elif isinstance(val, torch.Tensor):
-                splits[node] = _distinct(self.op(node, val))
+                try:
+                    splits[node] = _distinct(self.op(node, val))
+                except (IndexError, TypeError, ValueError, ZeroDivisionError):  # an overload whose arguments the
+                    splits[node] = _whole(val)  # rules do not read as they expect: counted whole, toward fitting
                 if not node.all_input_nodes:
                     created.append(node)
             elif isinstance(val, (tuple, list)):
