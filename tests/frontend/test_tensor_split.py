@@ -155,11 +155,11 @@ def test_loop_body_working_set_counts() -> None:
 
 def test_scatter_across_a_shared_axis_gathers_the_smaller_side() -> None:
     """An embedding's gradient: token rows split by the batch scattered into a table split by FSDP along the
-    same axis; XLA gathers the updates or the table across it, whichever is smaller."""
+    same axis; XLA gathers the updates or the table across it, whichever is smaller (the table held twice)."""
     def gradient_into(vocab: int) -> object:
         return lambda ids, rows: torch.zeros(vocab, D).index_put((ids,), rows, accumulate=True)
 
-    for tokens, vocab in ((4096, 100), (64, 100_000)):
+    for tokens, vocab in ((4096, 100), (64, 100_000)):  # the table the smaller side, then the rows
         ids, rows = torch.randint(0, 100, (tokens,)), torch.randn(tokens, D)
         gm = make_fx(gradient_into(vocab), tracing_mode="fake")(ids, rows)
         placeholders = [node for node in gm.graph.nodes if node.op == "placeholder"]
@@ -167,7 +167,8 @@ def test_scatter_across_a_shared_axis_gathers_the_smaller_side() -> None:
         scatter = _by_target(gm, torch.ops.aten.index_put.default)[0]
         splits = value_splits(gm, AXES, given.get, [(DATA, WHOLE)])  # the gradient leaves laid out as its table
         assert splits[scatter] == (DATA, WHOLE)
-        assert gathered_updates(scatter, splits, AXES) == min(tokens, vocab) * D * 4
+        # the rows gathered when fewer, else the table whole twice (filled, then scattered into)
+        assert gathered_updates(scatter, splits, AXES) == (tokens if tokens <= vocab else 2 * vocab) * D * 4
 
 
 def test_symbolic_sizes_are_read_at_their_hints_without_guards() -> None:

@@ -316,8 +316,9 @@ def gathered_updates(node: torch.fx.Node, splits: Mapping[torch.fx.Node, Split],
                      ) -> int:
     """Bytes per chip an ``index_put`` holds beyond its result when its updates are split by an axis that also
     splits the tensor they are scattered into (an embedding's gradient: tokens split by the batch, the table
-    by FSDP): XLA gathers across that axis either the updates or the table, whichever is smaller (the updates,
-    4 GiB per chip, in a 405B-shaped plan's backward)."""
+    by FSDP). XLA gathers across that axis whichever is smaller: the updates (4 GiB per chip in a 405B-shaped
+    plan's backward), or else it scatters into the table whole, holding the filled table and the scattered
+    one at once (2 x 2 GiB in an 8B-shaped plan's; both from XLA's buffer assignment)."""
     if node.target is not torch.ops.aten.index_put.default or len(node.args) < 3:
         return 0
     values = node.args[2]
@@ -326,7 +327,9 @@ def gathered_updates(node: torch.fx.Node, splits: Mapping[torch.fx.Node, Split],
     shared = frozenset().union(*splits[node]) & frozenset().union(*splits[values])
     if not shared:
         return 0
-    return min(_bytes_across(value, splits[value], shared, axis_sizes) for value in (values, node))
+    updates = _bytes_across(values, splits[values], shared, axis_sizes)
+    table = _bytes_across(node, splits[node], shared, axis_sizes)
+    return updates if updates <= table else 2 * table
 
 
 def _bytes_across(node: torch.fx.Node, split: Split, gathered: frozenset[str], axis_sizes: Mapping[str, int]) -> int:
