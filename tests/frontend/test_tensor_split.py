@@ -190,7 +190,12 @@ def test_symbolic_sizes_are_read_at_their_hints_without_guards() -> None:
 
 
 def test_single_numbers_pass_through() -> None:
-    """A 0-d value read by ops that name a dimension (a reduction over dim 0 of a number) is whole."""
+    """A 0-d value read by ops that name a dimension (a reduction over dim 0 of a number) is whole, and one
+    multiplying a split value leaves its split."""
     gm = make_fx(lambda x: torch.amax(x, 0) + x.sum(0) + x.mean(0), tracing_mode="fake")(torch.tensor(1.0))
     splits = value_splits(gm, AXES, lambda node: ())
     assert all(split == (WHOLE,) * len(split) for split in splits.values())
+    gm = make_fx(lambda scale, x: torch.mul(scale, x), tracing_mode="fake")(torch.tensor(2.0), torch.randn(B, D))
+    scale, x = [node for node in gm.graph.nodes if node.op == "placeholder"]
+    splits = value_splits(gm, AXES, {scale: (), x: (DATA, WHOLE)}.get)
+    assert splits[_returned(gm)[0]] == (DATA, WHOLE)

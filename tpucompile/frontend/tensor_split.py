@@ -109,9 +109,7 @@ class _Walk:
         target, args, splits = node.target, node.args, self.splits
         source = args[0] if args and isinstance(args[0], torch.fx.Node) else None
         have = splits.get(source) if source is not None else None
-        if have is not None and not have:  # a single number: nothing to split but what it becomes
-            return _whole(val)
-        if have is not None:
+        if have:  # rules that name the first operand's dimensions (a single number has none to name)
             if target in _VIEWS:
                 return self.regroup(_shape(source.meta["val"]), have, _shape(val))
             if target in _PERMUTES:
