@@ -48,7 +48,14 @@ from tpucompile.contracts.loop_ops import body_of, is_loop, loop_parts
 from tpucompile.contracts.target_names import GENERATIONS
 from tpucompile.contracts.target_names import parse as parse_target
 from tpucompile.frontend.block_boundaries import mark_block_boundaries
-from tpucompile.frontend.tensor_split import Split, divisor, gathered_updates, value_splits
+from tpucompile.frontend.tensor_split import (
+    CONVERSIONS,
+    Split,
+    divisor,
+    gathered_updates,
+    traced_bytes,
+    value_splits,
+)
 from tpucompile.passes.noop_views import is_view
 from tpucompile.passes.rolled_loops import tidy_rolled_loops
 from tpucompile.sharding.annotate import input_index
@@ -260,7 +267,7 @@ def step_peak(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule,
     weight_stacks = {node.name for node in forward.graph.nodes if _stacks_inputs(node)}
 
     def size(node: torch.fx.Node) -> int:
-        own = _bytes(node.meta.get("val")) // divisor(splits.get(node), axis_sizes)
+        own = traced_bytes(node.meta.get("val")) // divisor(splits.get(node), axis_sizes)
         return own + gathered_updates(node, splits, axis_sizes)
 
     def working_set(loop: torch.fx.Node) -> int:
@@ -281,7 +288,7 @@ def step_peak(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule,
             if node not in weights:
                 return 0
             gathered = tuple(axes - batch_axes for axes in splits.get(node, ()))
-            return _bytes(node.meta.get("val")) // divisor(gathered, axis_sizes)
+            return traced_bytes(node.meta.get("val")) // divisor(gathered, axis_sizes)
 
         return program_peak(body, body_size)
 
@@ -362,12 +369,11 @@ def _unless_fused(size: Callable[[torch.fx.Node], int], fused: set[torch.fx.Node
     return lambda node: 0 if node in fused else size(node)
 
 
-_CONVERSIONS = {torch.ops.aten._to_copy.default, torch.ops.prims.convert_element_type.default}
 
 
 def _pointwise(node: torch.fx.Node) -> bool:
     """An elementwise op or a dtype conversion: XLA fuses chains of them into one loop."""
-    return node.op == "call_function" and (node.target in _CONVERSIONS
+    return node.op == "call_function" and (node.target in CONVERSIONS
                                            or torch.Tag.pointwise in getattr(node.target, "tags", ()))
 
 
@@ -376,24 +382,6 @@ def _fuses_producers(node: torch.fx.Node) -> bool:
     only such ops read is never stored."""
     return _pointwise(node) or (node.op == "call_function"
                                 and torch.Tag.reduction in getattr(node.target, "tags", ()))
-
-
-def _bytes(value: Any) -> int:
-    """Bytes of a traced tensor at its traced sizes, read without adding guards. A tuple result holds nothing
-    of its own: its elements are counted where they are taken out of it."""
-    if not isinstance(value, torch.Tensor):
-        return 0
-    count = 1
-    for dim in value.shape:
-        count *= _hint(dim)
-    return count * value.element_size()
-
-
-def _hint(size: int | torch.SymInt) -> int:
-    if isinstance(size, torch.SymInt):
-        hint = size.node.hint
-        return int(hint) if hint is not None else 1
-    return int(size)
 
 
 def _input_splits(config: Options) -> tuple[Split | None, ...]:

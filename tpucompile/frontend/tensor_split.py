@@ -46,7 +46,8 @@ _SELECTS = {torch.ops.aten.select.int, torch.ops.aten.select_copy.int}
 _REDUCTIONS = {torch.ops.aten.sum.dim_IntList, torch.ops.aten.mean.dim, torch.ops.aten.amax.default,
                torch.ops.aten.amin.default, torch.ops.aten.prod.dim_int}
 _SCATTERS = {torch.ops.aten.select_scatter.default, torch.ops.aten.slice_scatter.default}
-_CONVERSIONS = {torch.ops.aten._to_copy.default, torch.ops.prims.convert_element_type.default}
+CONVERSIONS = {torch.ops.aten._to_copy.default, torch.ops.prims.convert_element_type.default}
+"""Ops that only change a value's dtype."""
 _SHAPE_KEEPING = {torch.ops.aten._to_copy.default, torch.ops.prims.convert_element_type.default,
                   torch.ops.aten.clone.default, torch.ops.aten.alias.default, torch.ops.aten.expand.default,
                   torch.ops.aten.slice.Tensor, torch.ops.aten.slice_copy.Tensor}
@@ -111,7 +112,7 @@ class _Walk:
         have = splits.get(source) if source is not None else None
         if have:  # rules that name the first operand's dimensions (a single number has none to name)
             if target in _VIEWS:
-                return self.regroup(_shape(source.meta["val"]), have, _shape(val))
+                return self.regroup(traced_shape(source.meta["val"]), have, traced_shape(val))
             if target in _PERMUTES:
                 return tuple(have[d % len(have)] for d in args[1])
             if target in _TRANSPOSES:
@@ -157,12 +158,12 @@ class _Walk:
         """An elementwise result: each dimension split as the operands' dimensions it lines up with (from the
         right, as broadcasting lines them up) are, where they have its size."""
         out = [_WHOLE] * val.dim()
-        shape = _shape(val)
+        shape = traced_shape(val)
         for operand in node.all_input_nodes:
             have = self.splits.get(operand)
             if have is None:
                 continue
-            operand_shape = _shape(operand.meta["val"])
+            operand_shape = traced_shape(operand.meta["val"])
             for offset in range(1, min(len(have), len(out)) + 1):
                 if operand_shape[-offset] == shape[-offset]:
                     out[-offset] = out[-offset] | have[-offset]
@@ -177,11 +178,11 @@ class _Walk:
         """The most split of ``nodes`` of ``val``'s shape, or, failing any, whose leading dimensions are its
         shape (an attention kernel's row statistics, [batch, heads, tokens] of its query): that split, or
         ``otherwise``."""
-        shape = _shape(val)
+        shape = traced_shape(val)
         found = []
         for other in nodes:
             have = self.splits.get(other)
-            other_shape = _shape(other.meta["val"]) if isinstance(other.meta.get("val"), torch.Tensor) else None
+            other_shape = traced_shape(other.meta["val"]) if isinstance(other.meta.get("val"), torch.Tensor) else None
             if have is not None and other_shape is not None and other_shape[:len(shape)] == shape:
                 found.append((other_shape == shape, divisor(have[:len(shape)], self.axis_sizes), have[:len(shape)]))
         return max(found, key=lambda item: item[:2])[2] if found else otherwise
@@ -249,11 +250,19 @@ class _Walk:
         return results
 
 
-def _shape(val: torch.Tensor) -> tuple[int, ...]:
-    """A traced value's sizes as numbers, a symbolic size at its hint: read without adding guards to the trace
-    (a graph with changing sizes is estimated at the sizes it was traced with)."""
+def traced_shape(val: torch.Tensor) -> tuple[int, ...]:
+    """A traced value's sizes as numbers, a symbolic size at its hint (1 without one): read without adding
+    guards to the trace (a graph with changing sizes is estimated at the sizes it was traced with)."""
     return tuple(int(size.node.hint) if isinstance(size, torch.SymInt) and size.node.hint is not None
                  else 1 if isinstance(size, torch.SymInt) else int(size) for size in val.shape)
+
+
+def traced_bytes(value: Any) -> int:
+    """Bytes of a traced tensor at its traced sizes (``traced_shape``); 0 for anything else (a tuple result holds
+    nothing of its own: its elements are counted where they are taken out of it)."""
+    if not isinstance(value, torch.Tensor):
+        return 0
+    return math.prod(traced_shape(value)) * value.element_size()
 
 
 def _whole(val: torch.Tensor) -> Split:
@@ -293,16 +302,16 @@ def _lay_out_outputs(gm: torch.fx.GraphModule, splits: dict[torch.fx.Node, Split
         if not (isinstance(value, torch.fx.Node) and split is not None
                 and isinstance(value.meta.get("val"), torch.Tensor)):
             continue
-        shape = _shape(value.meta["val"])
+        shape = traced_shape(value.meta["val"])
         if len(split) != len(shape):
             continue
         while True:
             splits[value] = split
             base = value.args[0] if value.op == "call_function" and value.args else None
-            if not ((is_view(value) or value.target in _CONVERSIONS) and isinstance(base, torch.fx.Node)
+            if not ((is_view(value) or value.target in CONVERSIONS) and isinstance(base, torch.fx.Node)
                     and isinstance(base.meta.get("val"), torch.Tensor)):
                 break
-            base_shape = _shape(base.meta["val"])
+            base_shape = traced_shape(base.meta["val"])
             if len(base_shape) == len(shape) + 1 and base_shape[1:] == shape:
                 split = (_WHOLE, *split)  # a layer cut from a stack
             elif len(base_shape) != len(shape):
@@ -332,5 +341,4 @@ def gathered_updates(node: torch.fx.Node, splits: Mapping[torch.fx.Node, Split],
 
 def _bytes_across(node: torch.fx.Node, split: Split, gathered: frozenset[str], axis_sizes: Mapping[str, int]) -> int:
     """Bytes per chip of ``node`` gathered whole across the axes ``gathered``."""
-    val = node.meta["val"]
-    return math.prod(_shape(val)) * val.element_size() // divisor(tuple(axes - gathered for axes in split), axis_sizes)
+    return traced_bytes(node.meta["val"]) // divisor(tuple(axes - gathered for axes in split), axis_sizes)
