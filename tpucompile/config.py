@@ -125,6 +125,13 @@ class Options:
     (1.7% of XLA's estimated cycles on the example GPT's training step on a v5e). The same sums, in another
     order. False sums the concatenation whole."""
 
+    saved_transposes_as_bases: bool = True
+    """A training step's forward hands the backward the base of a transposed view it would save for a matrix
+    product (the weight gradient's ``x.t()``), and the backward takes the view again, as the product's
+    dimension numbers (``passes/saved_transposes.py``): a program returns its results in their default layout,
+    so a saved transpose is a transposing copy at the end of the forward. False saves what the min-cut
+    partition chose. The same values either way."""
+
     recompute_product_operands: bool = False
     """Peak memory for cycles, on request: a training step's partition may recompute in the backward a value a
     matrix product reads (SwiGLU's ``silu(gate) * up``, an RMSNorm's output) instead of saving it, and the

@@ -58,6 +58,7 @@ from tpucompile.frontend.tensor_split import (
 )
 from tpucompile.passes.noop_views import is_view
 from tpucompile.passes.rolled_loops import tidy_rolled_loops
+from tpucompile.passes.saved_transposes import save_bases_of_transposes
 from tpucompile.sharding.annotate import input_index
 
 FIT_FRACTION = 0.85
@@ -216,6 +217,8 @@ def fitting_partition(config: Options, trial: LoopBodyTrial = FIRST_TRIAL) -> Ca
         else:
             forward, backward, choice = _search(
                 split, hbm, lambda: mark_block_boundaries(joint_module, kwargs["num_fwd_outputs"]))
+        if config.saved_transposes_as_bases:
+            save_bases_of_transposes(forward, backward, kwargs["num_fwd_outputs"])
         forward.meta[BUDGET_KEY] = backward.meta[BUDGET_KEY] = choice.as_dict()
         return forward, backward
 
