@@ -115,6 +115,24 @@ def test_fully_masked_rows_match_the_cpu_kernel():
     _compare(fused, fused, (query, key, value))
 
 
+def test_rows_masked_by_the_most_negative_float_take_the_math_forms_gradient():
+    """Hugging Face's additive masks (Falcon's ALiBi mask, padding) fill masked keys with the dtype's most
+    negative finite value, so a padded query row sees every key at that value: a softmax of equal scores,
+    which gives each key the same weight. ``scaled_dot_product_attention`` as a model calls it compiles to the
+    gradient of that function, the math form's. PyTorch's CPU kernel, which eager runs, agrees in the forward
+    but not in the backward: it recomputes the weights from a log-sum-exp whose ``log(keys)`` the mask's
+    magnitude swallowed, and weighs every key 1 there (the fused pair, called by name, does the same:
+    ``test_fully_masked_rows_match_the_cpu_kernel``)."""
+    query, key, value = _inputs()
+    mask = torch.randn(2, 1, query.shape[-2], key.shape[-2])
+    mask[1, :, :3] = torch.finfo(torch.float32).min
+
+    def attention(q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    _compare(attention, lambda q, k, v: _math(q, k, v, mask), (query, key, value), atol=5e-5)
+
+
 def test_bfloat16_saves_a_float32_log_sum_exp():
     query, key, value = _inputs(dtype=torch.bfloat16)
     out, lse = fused_attention.flash_for_cpu(query, key, value)
