@@ -372,8 +372,6 @@ def _unless_fused(size: Callable[[torch.fx.Node], int], fused: set[torch.fx.Node
     return lambda node: 0 if node in fused else size(node)
 
 
-
-
 def _pointwise(node: torch.fx.Node) -> bool:
     """An elementwise op or a dtype conversion: XLA fuses chains of them into one loop."""
     return node.op == "call_function" and (node.target in CONVERSIONS

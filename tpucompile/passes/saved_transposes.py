@@ -39,11 +39,13 @@ def save_bases_of_transposes(forward: torch.fx.GraphModule, backward: torch.fx.G
     returned = {value for value in outputs[:num_forward_outputs] if isinstance(value, torch.fx.Node)}
     backward_nodes = {node.name: node for node in backward.graph.nodes}
     first_body_node = next((n for n in backward.graph.nodes if n.op != "placeholder"), None)
+    if first_body_node is None:
+        return 0
     kept, changed = list(outputs[:num_forward_outputs]), 0
     for view in outputs[num_forward_outputs:]:
         base, views = _transposed_base(view)
         placeholder = backward_nodes.get(view.name) if base is not None else None
-        if (placeholder is None or placeholder.op != "placeholder" or first_body_node is None or base in returned
+        if (placeholder is None or placeholder.op != "placeholder" or base in returned
                 or not all(reader.target in PRODUCTS for reader in placeholder.users)):
             kept.append(view)
             continue
@@ -107,23 +109,13 @@ def _rename_to_base(placeholder: torch.fx.Node, base: torch.fx.Node) -> None:
 def _views_of(backward: torch.fx.GraphModule, base: torch.fx.Node, views: list[torch.fx.Node],
               readers_of: torch.fx.Node, before: torch.fx.Node) -> None:
     """Give the readers of ``readers_of`` the forward's ``views`` taken of the backward's ``base`` instead."""
-    value = base
+    value, made = base, set()
     with backward.graph.inserting_before(before):
         for view in views:
             value = backward.graph.call_function(view.target, (value, *view.args[1:]), dict(view.kwargs))
             value.meta = {key: meta for key, meta in view.meta.items() if key in _VALUE_META}
-    last = value
-    readers_of.replace_all_uses_with(last, delete_user_cb=lambda user: user.graph is backward.graph
-                                     and user not in _chain(last, base))
-
-
-def _chain(last: torch.fx.Node, base: torch.fx.Node) -> set[torch.fx.Node]:
-    """The views from ``base`` to ``last``."""
-    chain, node = set(), last
-    while node is not base:
-        chain.add(node)
-        node = node.args[0]
-    return chain
+            made.add(value)
+    readers_of.replace_all_uses_with(value, delete_user_cb=lambda user: user not in made)
 
 
 _VALUE_META = ("val", "tensor_meta")
