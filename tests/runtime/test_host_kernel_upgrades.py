@@ -45,11 +45,20 @@ def _training_step(timing: str):
                                options={"host_kernels": "auto", "host_kernel_timing": timing})
 
 
+def _assert_close_to_eager(value: torch.Tensor, reference: torch.Tensor) -> None:
+    """A training step's result against eager's. The weight's gradient sums terms up to ~1400 that cancel to
+    values near 1 in places, where any float32 order of the sum is off by a few 1e-4 (programs with and
+    without the host kernels alike, at either XLA optimisation level; eager's own order happens to be closer):
+    the absolute tolerance follows the largest entry, 1e-6 of it, and is 1e-4 at least."""
+    atol = max(1e-4, 1e-6 * reference.abs().max().item())
+    torch.testing.assert_close(value, reference, rtol=1e-4, atol=atol)
+
+
 def _run_until_decided(step, compiled, expected, before: int, graphs: int = 2) -> None:
     """Training steps until the trials of ``graphs`` graphs are decided, every one checked against eager."""
     for _ in range(host_kernel_upgrades.TRIAL_CALLS + 1):
         for value, reference in zip(step(compiled), expected, strict=True):
-            torch.testing.assert_close(value, reference, rtol=1e-4, atol=1e-4)
+            _assert_close_to_eager(value, reference)
         if len(host_kernel_upgrades.decided) - before == graphs:
             return
     raise AssertionError(f"undecided: {host_kernel_upgrades.decided[before:]}")
@@ -67,7 +76,7 @@ def test_the_program_check_runs_on_the_graphs_own_calls(decisions, monkeypatch, 
     expected = step(model)
     with fresh_start() as events:
         for value, reference in zip(step(compiled), expected, strict=True):
-            torch.testing.assert_close(value, reference, rtol=1e-4, atol=1e-4)
+            _assert_close_to_eager(value, reference)
         assert len(events) == 2 and all(e.key_components["host_ops"] == [] for e in events), \
             "the first programs have XLA's ops: their programs were not timed before them"
         assert all(_calls_host_kernels(e.executable) == 0 for e in events)
@@ -96,7 +105,7 @@ def test_inline_timing_compiles_the_winner_first(decisions):  # noqa: F811
     assert _host_calls(events) == 4
     assert host_kernel_upgrades._queue.unfinished_tasks == 0, "nothing left for the background"
     for value, reference in zip(got, expected, strict=True):
-        torch.testing.assert_close(value, reference, rtol=1e-4, atol=1e-4)
+        _assert_close_to_eager(value, reference)
 
 
 def test_a_later_process_takes_the_stored_choice_without_a_trial(decisions):  # noqa: F811
