@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import gc
 import json
 import os
 import runpy
@@ -38,6 +39,10 @@ def main(path: str) -> None:
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(64)
+    # The imports' objects are left out of every collection in the children (the use gc.freeze exists for):
+    # their full collections walk only what the child made, and never write to the pages they share.
+    gc.collect()
+    gc.freeze()
     print("ready", flush=True)
     selector = selectors.DefaultSelector()
     selector.register(listener, selectors.EVENT_READ)

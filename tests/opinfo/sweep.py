@@ -23,6 +23,7 @@ import argparse
 import collections
 import contextlib
 import dataclasses
+import gc
 import json
 import logging
 import os
@@ -507,6 +508,8 @@ def main(argv: list[str] | None = None) -> int:
         results = run_in_processes(_without(argv, ("--jobs", "--json", "--markdown")), args.jobs)
     else:
         opinfos = select_opinfos(args.ops, args.shard)
+        gc.collect()
+        gc.freeze()  # torch, jax and the OpInfo database, out of every full collection the samples' traces cause
         results = sweep(opinfos, [DTYPES[d] for d in args.dtypes], args.max_samples, args.progress, args.grad)
     summary = summarize(results)
     if not args.quiet:
