@@ -95,10 +95,10 @@ def test_the_optimisation_level_asked_for_reaches_xla_and_the_key(cpu):
     # measured in docs/benchmarks.md, not asserted here).
     x = jnp.linspace(-2.0, 2.0, 128 * 128, dtype=jnp.float32).reshape(128, 128)
     module = for_target(str(jax.jit(_independent_branches).lower(x).compiler_ir("stablehlo")), cpu)
+    argument = jax.device_put(x, cpu.client.devices()[0])
     results = []
     for chosen in (options, at_xla_default):
         executable = cpu.client.compile_and_load(module, cpu.device_list(), chosen)
-        argument = jax.device_put(x, cpu.client.devices()[0])
         results.append(np.asarray(executable.execute([argument])[0]))
     np.testing.assert_allclose(results[0], results[1], rtol=1e-6)
     np.testing.assert_allclose(results[0], np.asarray(_independent_branches(x)), rtol=1e-5)

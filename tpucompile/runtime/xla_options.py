@@ -54,7 +54,9 @@ CPU_OPTIMIZATION_LEVEL_VARIABLE = "TPUCOMPILE_XLA_CPU_OPTIMIZATION_LEVEL"
 """LLVM's optimisation level for programs compiled for the CPU (0-3; unset: XLA's own, 3). Level 0 halves XLA's
 CPU compile time for PyTorch-sized graphs and slows what it generates, the trade a test suite or a first try
 on a laptop wants; unlike ``--xla_backend_optimization_level`` in ``XLA_FLAGS``, it leaves TPU and GPU compiles
-in the same process alone. It is one of the compile options, so it is part of every CPU cache key."""
+in the same process alone. It is one of the compile options, so it is part of every CPU cache key, and, like
+them, read when a CPU client's options are first built (once per client and partition count), as XLA reads
+``XLA_FLAGS`` once."""
 
 
 def cpu_option_overrides(client: object, environ: dict[str, str] | None = None) -> list[tuple[str, object]]:
