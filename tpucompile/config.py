@@ -94,6 +94,15 @@ class Options:
     into PJRT once, instead of padding a new tensor that is imported on every call (``runtime/staged_inputs``):
     the same values, ~10 us less per call of a small step. False pads a new tensor per call."""
 
+    bucket_reuse_padded_results: bool = True
+    """A bucketed result that comes back as a bucketed graph's input (a key/value cache, extended by each
+    decoding step and read by the next) goes to the program as the padded buffer it was cut from, instead of
+    being padded again (a copy of the whole value per call): the programs ignore what the padding holds. An
+    argument that a result extends by a few positions is taken padded past its bucket by them, so the result
+    fits the next call, and the concatenation that extends it writes into the argument's buffer in place
+    (``runtime/padded_results``, ``lowering/grown_in_place``). An output's padded buffers are held beside its
+    cuts only once one of them has come back. False pads every input anew to its bucket."""
+
     stacked_layer_outputs: bool = True
     """Graph outputs that are, together, every layer of one stacked result of a rolled loop (a rolled
     backward's gradients of the layers' weights) are returned as that stacked result, once, and each output is

@@ -106,12 +106,25 @@ def _greedy(model, prompt: torch.Tensor, steps: int) -> tuple[torch.Tensor, torc
     return torch.cat(tokens, 1), torch.stack(logits, 1)
 
 
-def test_greedy_generation_with_a_growing_cache(caplog, seeded):
+def test_greedy_generation_with_a_growing_cache(caplog, monkeypatch, seeded):
     """Each decoding step concatenates one token to a cache of runtime length, takes the last position, and
     counts positions from the cache's length: 20 tokens after a prompt of 6 need two buckets (16 and 32) of the
-    decoding graph, and the tokens and logits equal eager's."""
+    decoding graph, and the tokens and logits equal eager's. The cache each step returns goes back into the
+    next as the padded buffer it was cut from (``runtime/padded_results``): in all but the first two steps and
+    the first of bucket 32, every layer's keys and values."""
+    from tpucompile.runtime.buckets import BucketedGraph
+
     caplog.set_level(logging.INFO, logger="tpucompile")
     compile_stats.reset()
+    crossed = []
+    original = BucketedGraph._padded_result
+
+    def spy(tensor, shape, take):
+        found = original(tensor, shape, take)
+        crossed.append(found is not None)
+        return found
+
+    monkeypatch.setattr(BucketedGraph, "_padded_result", staticmethod(spy))
     model = _llama().eval()
     compiled = torch.compile(model, backend="tpucompile", options=BUCKETED)
     prompt = torch.randint(0, model.config.vocab_size, (2, 6))
@@ -127,3 +140,8 @@ def test_greedy_generation_with_a_growing_cache(caplog, seeded):
     (decoding,) = bucketed
     assert decoding["compiles"] + sum(decoding["hits"].values()) == 2
     assert decoding["compiles"] + sum(decoding["hits"].values()) + decoding["bucket_hits"] >= 18
+    caches = 2 * model.config.num_hidden_layers  # keys and values per layer
+    assert len(crossed) % caches == 0 and len(crossed) // caches >= 16, len(crossed)
+    per_step = [crossed[i:i + caches] for i in range(0, len(crossed), caches)]
+    assert all(len(set(step)) == 1 for step in per_step), per_step  # all of a step's caches, or none
+    assert [step[0] for step in per_step].count(False) <= 3, per_step

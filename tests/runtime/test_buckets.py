@@ -579,7 +579,7 @@ def test_a_backward_takes_padded_values_only_when_it_reads_no_size_from_them(siz
     gradient = torch.randn(3, 5) if sized_gradient else torch.randn(())
     gm = make_fx(backward, tracing_mode="symbolic")(torch.randn(3, 5), gradient)
     shared = SavedHandoff(returns=1)
-    graph = BucketedGraph("graph 0 (backward)", gm, lambda bounds, runtime: None, [], (), 16, 4,
+    graph = BucketedGraph("graph 0 (backward)", gm, lambda bounds, runtime, extents: None, [], (), 16, 4,
                           HandoffEnd("backward", shared))
     assert graph.symbols
     assert shared.backward_takes_padded == sized_gradient

@@ -62,6 +62,8 @@ def encode_graph(gm: torch.fx.GraphModule, bindings: ShapeBindings, values: bool
         encoded["unmerged_products"] = bindings.unmerged_products
         encoded["fixed_in_place"] = bindings.fixed_in_place
         encoded["products_on_padding"] = bindings.products_on_padding
+        if bindings.input_extents:
+            encoded["input_extents"] = sorted([index, list(shape)] for index, shape in bindings.input_extents.items())
     return digest(canonical_json(encoded)), digest(canonical_json({"locations": locations}))
 
 

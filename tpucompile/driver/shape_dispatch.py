@@ -38,17 +38,18 @@ def compile_region(
     if not any(is_symbolic(m) for m in metas):
         return build(ShapeBindings())
     if _bucketable(gm, metas, targets, options, name):  # the bucketed graph pads the constants with the rest
-        def build_for_bucket(bounds: dict, runtime: frozenset) -> GraphExecutable:
+        def build_for_bucket(bounds: dict, runtime: frozenset, input_extents: dict) -> GraphExecutable:
             platform = targets.lowered_for.platform
             return build(ShapeBindings(
                 bounds, runtime, options.bucket_unmerged_products,
                 fixed_shapes_in_place_for(options.bucket_fixed_shapes_in_place, platform),
-                products_on_padding_for(options.bucket_products_on_padding, platform)), [])
+                products_on_padding_for(options.bucket_products_on_padding, platform), input_extents), [])
 
         return BucketedGraph(name, gm, build_for_bucket, lifted_constants, options.buckets,
                              options.bucket_minimum, options.max_shape_specializations,
                              gm.meta.get(SAVED_HANDOFF) if options.bucket_saved_padded else None,
-                             stage_inputs=options.bucket_staged_inputs)
+                             stage_inputs=options.bucket_staged_inputs,
+                             reuse_padded_results=options.bucket_reuse_padded_results)
 
     def build_for_call(args: list[Any]) -> GraphExecutable:
         actual = [*args, *lifted_constants]

@@ -36,6 +36,7 @@ from tpucompile.lowering import (
     builder,
     custom_ops,
     dynamic_sizes,
+    grown_in_place,
     jax_bridge,
     loops,
     padding_safety,
@@ -128,7 +129,7 @@ class _GraphLowering:
         self.narrow_elementwise = narrow_elementwise
         self.bindings = ShapeBindings(  # a copy: data-dependent sizes get bound to their bounds below
             dict(bindings.values), bindings.runtime, bindings.unmerged_products, bindings.fixed_in_place,
-            bindings.products_on_padding)
+            bindings.products_on_padding, bindings.input_extents)
         self.runtime = bindings.runtime
         self.sizes: dynamic_sizes.SizeValues | None = None
         """The values of runtime size expressions, in a bucketed program."""
@@ -144,7 +145,10 @@ class _GraphLowering:
         tensor_inputs = [
             (i, n) for i, n in enumerate(placeholders) if isinstance(n.meta.get("val"), torch.Tensor)
         ]
-        input_specs = [self._spec(n) for _, n in tensor_inputs]
+        bucket_specs = [self._spec(n) for _, n in tensor_inputs]
+        extents = self.bindings.input_extents
+        input_specs = [TensorSpec(extents[i], spec.dtype) if i in extents else spec
+                       for (i, _), spec in zip(tensor_inputs, bucket_specs, strict=True)]
         size_symbols = sorted(self.runtime, key=str)
         input_specs += [TensorSpec((), dynamic_sizes.SIZE_DTYPE) for _ in size_symbols]
         needs_seed = any(n.op == "call_function" and is_random(n.target) for n in graph.nodes)
@@ -166,11 +170,16 @@ class _GraphLowering:
             block = main.add_entry_block()
         for (_, node), arg in zip(tensor_inputs, block.arguments, strict=False):
             self.env[node] = arg
+        whole_arguments = {node: self.env[node] for _, node in tensor_inputs}
+        grown = grown_in_place.concatenations(tensor_inputs, result_nodes, self.bindings) if size_symbols else {}
         if size_symbols:
             size_arguments = block.arguments[len(tensor_inputs):len(tensor_inputs) + len(size_symbols)]
             self.sizes = dynamic_sizes.SizeValues(dict(zip(size_symbols, size_arguments, strict=True)))
             with ir.InsertionPoint(block), ir.Location.unknown():
-                for _, node in tensor_inputs:
+                for (index, node), spec in zip(tensor_inputs, bucket_specs, strict=True):
+                    if index in extents:  # taken padded past the bucket: the bucket's leading part
+                        self.env[node] = builder.slice_static(self.env[node], [0] * len(spec.shape), spec.shape,
+                                                      [1] * len(spec.shape))
                     self.env[node] = self._marked(node.meta["val"], self.env[node])
         if needs_seed:
             with ir.InsertionPoint(block):
@@ -184,6 +193,11 @@ class _GraphLowering:
             for node in graph.nodes:
                 if node in aliases:
                     self.env[node] = self.env[node.args[0]]  # an argument or result attribute, set below
+                elif node in grown:
+                    with _location(node):
+                        self.env[node] = grown_in_place.lower(node, grown[node], whole_arguments[grown[node]],
+                                                              self.env, self.sizes, self.runtime)
+                        self.env[node] = self._marked(node.meta.get("val"), self.env[node])
                 elif node.op == "call_function":
                     self.env[node] = self._lower_call(node)
                     if self.sizes is not None and node.target is not operator.getitem:
@@ -210,6 +224,10 @@ class _GraphLowering:
         laid_out_alike = _layout_check(mesh, arg_dims, result_dims)
         aliases = self._input_aliases(tensor_inputs, outputs, unique_results, input_specs, result_specs,
                                       laid_out_alike)
+        for k, (_, node) in enumerate(tensor_inputs):  # an argument grown in place takes its result
+            grew = next((cat for cat, argument in grown.items() if argument is node), None)
+            if grew is not None and aliases[k] is None and unique_results.index(grew) not in aliases:
+                aliases[k] = unique_results.index(grew)
         if any(a is not None for a in aliases):
             set_input_aliases(main.operation, aliases)
 

@@ -32,6 +32,7 @@ class ShapeBindings:
     def __init__(
         self, values: dict[sympy.Symbol, int] | None = None, runtime: frozenset[sympy.Symbol] = frozenset(),
         unmerged_products: bool = True, fixed_in_place: bool = True, products_on_padding: bool = True,
+        input_extents: dict[int, tuple[int, ...]] | None = None,
     ) -> None:
         self.values: dict[sympy.Symbol, sympy.Expr] = {k: sympy.sympify(v) for k, v in (values or {}).items()}
         self.runtime = frozenset(runtime)
@@ -44,6 +45,10 @@ class ShapeBindings:
         self.products_on_padding = products_on_padding
         """With ``runtime`` symbols: unmerged products whose runtime-sized dimensions are all free run over the
         whole bucket (``lowering.unmerged.OnPadding``)."""
+        self.input_extents = dict(input_extents or {})
+        """With ``runtime`` symbols: per placeholder index, a shape larger than the bucket's in which the program
+        takes that input (a value that comes back from an earlier call padded past its bucket); the program
+        slices it to the bucket's shape first."""
 
     @classmethod
     def from_inputs(cls, metas: Sequence[Any], actuals: Sequence[Any]) -> ShapeBindings:

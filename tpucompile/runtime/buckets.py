@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import itertools
 import logging
+import math
 import re
 import weakref
 from collections.abc import Callable, Sequence
@@ -34,7 +35,8 @@ from tpucompile.contracts.size_expressions import (
 )
 from tpucompile.errors import UnsupportedOpError
 from tpucompile.metrics import compile_stats as stats
-from tpucompile.runtime import host_copies
+from tpucompile.metrics import memory_accounting
+from tpucompile.runtime import host_copies, padded_results
 from tpucompile.runtime.executable import GraphExecutable
 from tpucompile.runtime.input_views import input_views, replace_views
 from tpucompile.runtime.resident import shares_host_memory
@@ -104,13 +106,15 @@ class BucketedGraph:
         self,
         name: str,
         gm: torch.fx.GraphModule,
-        build: Callable[[dict[sympy.Symbol, int], frozenset[sympy.Symbol]], Callable[[list[Any]], list[Any]]],
+        build: Callable[[dict[sympy.Symbol, int], frozenset[sympy.Symbol], dict[int, tuple[int, ...]]],
+                        Callable[[list[Any]], list[Any]]],
         constants: Sequence[torch.Tensor],
         bucket_sizes: Sequence[Any],
         bucket_minimum: int,
         max_entries: int,
         handoff: HandoffEnd | None = None,
         stage_inputs: bool = True,
+        reuse_padded_results: bool = True,
     ) -> None:
         self._boxed_call = True  # AOTAutograd passes the arguments as one list
         self.name = name
@@ -137,6 +141,16 @@ class BucketedGraph:
         self._padded = [(position, symbolic_dims(meta, runtime)) for position, meta in enumerate(self._metas)
                         if isinstance(meta, torch.Tensor) and symbolic_dims(meta, runtime)]
         self._outputs_rules = [self._output_rule(out, placeholders, runtime) for out in _graph_outputs(gm)]
+        self._result_slots = ([padded_results.ResultSlot(self) for _ in self._outputs_rules] if reuse_padded_results
+                              else None)
+        """Per output, whether its cuts come back as inputs (``padded_results``); None: never reused."""
+        self._headroom: dict[int, tuple[int, ...]] = {}
+        """Per runtime-sized argument that a result of this graph extends, how far past its bucket (per
+        dimension) the program takes it: that result's padding (``padded_results.growing_arguments``)."""
+        if reuse_padded_results:
+            self._headroom, extending = padded_results.growing_arguments(placeholders, _graph_outputs(gm), runtime)
+            for index in extending:
+                self._result_slots[index].always_noted = True
         self._views = input_views(gm)
         self._entries: collections.OrderedDict[Bucket, _BucketEntry] = collections.OrderedDict()
         self._calls: dict[tuple[Any, ...], _Call] = {}
@@ -179,15 +193,27 @@ class BucketedGraph:
         entry = call.entry
         padded = list(full)
         held = []
+        reuse = entry.direct and self._result_slots is not None
+        taken_over = set()
+        """Positions given a buffer of the runtime's own that the program takes over."""
         try:
             for position, shape, staged in entry.pads:
-                if staged is not None and staged.take(full[position]):
+                donated = position in entry.donated
+                buffer = self._padded_result(full[position], shape, donated) if reuse else None
+                if buffer is not None:  # a result of an earlier call, cut: the buffer it was cut from
+                    padded[position] = buffer
+                    if donated:
+                        taken_over.add(position)
+                elif staged is not None and staged.take(full[position]):
                     held.append(staged)
                     padded[position] = staged.tensor
                 else:
                     padded[position] = host_copies.pad(full[position], shape)
             if entry.direct:
-                results = entry.runner.execute([*padded, *call.sizes])
+                # hand device buffers over only when each donated one is the runtime's own (a tensor is copied)
+                donate = bool(taken_over) and all(isinstance(padded[p], torch.Tensor) or p in taken_over
+                                                  for p in entry.donated)
+                results = entry.runner.execute([*padded, *call.sizes], donate)
             else:
                 results = entry.runner([*padded, *call.sizes])
         finally:
@@ -206,6 +232,7 @@ class BucketedGraph:
         kept = self._kept_padded_from()
         direct = call.entry.direct
         runner = call.entry.runner
+        slots = self._result_slots if direct else None
         outputs = []
         for index, (result, (kind, detail), cut) in enumerate(zip(results, self._outputs_rules, cuts, strict=True)):
             if kind == "input":
@@ -213,10 +240,34 @@ class BucketedGraph:
             elif kind == "size":
                 outputs.append(evaluate(detail, call.values))
             elif cut is not None and index < kept:  # a copy, never a view: AOTAutograd replays an output that
-                outputs.append(host_copies.cut(to_tensor(result) if direct else result, cut))  # aliases an input
+                tensor = host_copies.cut(to_tensor(result) if direct else result, cut)  # aliases an input
+                if slots is not None and (slots[index].always_noted or math.prod(cut) >= padded_results.NOTED_ELEMENTS):
+                    self._note_cut(tensor, slots[index], result, runner)
+                outputs.append(tensor)
             else:  # from the output's base
                 outputs.append(runner.export(result) if direct else result)
         return outputs
+
+    @staticmethod
+    def _padded_result(tensor: Any, shape: tuple[int, ...], take: bool) -> Any | None:
+        """The padded buffer ``tensor`` was cut from, when it has the argument's padded shape here (``take``:
+        for a program that takes it over, so the cut no longer holds it); a cut seen coming back marks its
+        output, whose later cuts then keep their buffers (``padded_results``)."""
+        cut = padded_results.find(tensor)
+        if cut is None:
+            return None
+        cut.slot.fed_back = True
+        if cut.padded_shape != shape:
+            return None
+        return padded_results.take_buffer(cut) if take else cut.buffer
+
+    @staticmethod
+    def _note_cut(tensor: torch.Tensor, slot: padded_results.ResultSlot, result: Any, runner: Any) -> None:
+        """Remember where ``tensor`` was cut from, for a call that takes it back (``padded_results``); a
+        padded buffer held for it counts among the outputs' memory."""
+        padded_results.note_cut(tensor, slot, result)
+        if slot.fed_back:
+            memory_accounting.device_memory(runner.device).hold(result, memory_accounting.OUTPUTS, result.nbytes)
 
     @staticmethod
     def _cut_shape(result: Any, rule: tuple[str, Any], values: dict[sympy.Symbol, int]) -> tuple[int, ...] | None:
@@ -301,17 +352,19 @@ class BucketedGraph:
 
     def _compile(self, bucket: Bucket) -> _BucketEntry:
         bounds = dict(zip(self.symbols, bucket, strict=True))
-        runner = self._build(bounds, frozenset(self.symbols))
+        extents = {position: tuple(n + e for n, e in zip(shape_at(self._metas[position], bounds), extra, strict=True))
+                   for position, extra in self._headroom.items()}
+        runner = self._build(bounds, frozenset(self.symbols), extents)
         direct = isinstance(runner, GraphExecutable) and runner.returns_results_in_order
         stage = self._stage and direct and shares_host_memory(runner.device)
         donated = {runner.input_positions[slot] for slot in runner.donated_slots} if direct else set()
         pads = []
         for position, _ in self._padded:
             meta = self._metas[position]
-            shape = shape_at(meta, bounds)
-            staged = StagedInput(shape, meta.dtype) if stage and position not in donated else None
+            shape = extents.get(position) or shape_at(meta, bounds)
+            staged = StagedInput(shape, meta.dtype) if stage else None  # a donated slot takes a copy of it
             pads.append((position, shape, staged))
-        entry = _BucketEntry(runner, pads, direct)
+        entry = _BucketEntry(runner, pads, direct, frozenset(donated))
         keep_bounded(self._entries, bucket, entry, self._max_entries, f"{self.name} dropped the executable for bucket")
         self._calls.clear()  # a call prepared for a dropped bucket would keep its executable alive
         return entry
@@ -327,6 +380,8 @@ class _BucketEntry:
     runner: Any
     pads: list[tuple[int, tuple[int, ...], StagedInput | None]]
     direct: bool
+    donated: frozenset[int] = frozenset()
+    """The argument positions the program takes over (a cache grown in place: ``lowering/grown_in_place``)."""
 
 
 @dataclasses.dataclass

@@ -178,10 +178,11 @@ class GraphExecutable:
         no result trimmed): what ``execute`` gives then maps one to one onto the outputs."""
         return self._results_in_order
 
-    def execute(self, args: list[Any]) -> list[Any]:
+    def execute(self, args: list[Any], donate: bool = False) -> list[Any]:
         """The program's results as device buffers, neither exported nor counted: for a caller that turns
-        each into a tensor of its own at once (``export`` for one it hands on as it is)."""
-        return self.loaded.execute(self.buffers(args))
+        each into a tensor of its own at once (``export`` for one it hands on as it is); ``donate`` as for
+        ``run``."""
+        return self.loaded.execute(self.buffers(args, donate))
 
     def export(self, result: Any) -> torch.Tensor:
         """One of ``execute``'s results as the torch tensor a call would have returned for it."""
