@@ -16,7 +16,13 @@ Workloads (a 2-layer Llama, ``examples/llama.py``, dim 256, random weights, batc
   (``transformers.StaticCache`` of 192 positions): prompts of 8 lengths from 5 to 100, 16 new tokens each
   (steady: a decoding step at cache position 100);
 - ``bert``: Hugging Face's ``BertForMaskedLM`` (dim 256, 2 layers, 8 heads, 704 hidden), forward at the 15
-  lengths of ``sweep15``.
+  lengths of ``sweep15``;
+- ``decode``: greedy decoding with the key/value cache at a server's sizes: ``LlamaForCausalLM`` of 4 layers,
+  width 512 (8 heads, 4 key/value heads), 8 sequences, a prompt of 600 tokens, 60 new tokens (the cache
+  grows from 600 to 660: bucket 1024), each step passing back the cache the previous one returned (every one
+  a new size: the per-size backend compiles each). The backends decode side by side in one process, 5 steps
+  each in turn, so that this machine's drift falls on all alike; steady: the median step after the first 10
+  of each. ``tpucompile-bucket-repad`` is the bucketed backend with ``bucket_reuse_padded_results=False``.
 Each backend starts with Dynamo reset, tpucompile's in-process caches cleared and its persistent cache off, so
 every executable counts as a compile; Inductor's cache is a new directory per run. Steady-state figures are
 taken once tpucompile's background host-kernel checks are decided.
@@ -51,6 +57,8 @@ from tpucompile.metrics import compile_stats as stats
 BACKENDS = {
     "tpucompile-exact": dict(backend="tpucompile", options={"dynamic_mode": "exact", "cache_mode": "off"}),
     "tpucompile-bucket": dict(backend="tpucompile", options={"dynamic_mode": "bucket", "cache_mode": "off"}),
+    "tpucompile-bucket-repad": dict(backend="tpucompile", options={
+        "dynamic_mode": "bucket", "cache_mode": "off", "bucket_reuse_padded_results": False}),
     "inductor-dynamic": dict(backend="inductor", dynamic=True),
     "eager": None,
 }
@@ -114,6 +122,61 @@ def hf_llama() -> torch.nn.Module:
     config = transformers.LlamaConfig(vocab_size=1024, hidden_size=256, num_hidden_layers=2, num_attention_heads=8,
                                       num_key_value_heads=4, intermediate_size=704, max_position_embeddings=512)
     return transformers.LlamaForCausalLM(config).eval()
+
+
+def hf_llama_decoder() -> torch.nn.Module:
+    """The ``decode`` workload's model: big enough that a step's cache (8 x 4 x 660 x 64 per layer, keys and
+    values) is what a step moves, not the Python around it."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=1024, hidden_size=512, num_hidden_layers=4, num_attention_heads=8,
+                                      num_key_value_heads=4, intermediate_size=1408, max_position_embeddings=1024)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+DECODE_BATCH, DECODE_PROMPT, DECODE_TOKENS, DECODE_UNTIMED, DECODE_TURN = 8, 600, 60, 10, 5
+
+
+def decode_rows(backends: list[str]) -> list[dict]:
+    """The ``decode`` workload: every backend decodes in turn, ``DECODE_TURN`` steps at a time, in this one
+    process (each its own copy of the model and its own cache); per backend its total seconds (prompt, steps
+    and compiles), compiles and median step after the first ``DECODE_UNTIMED``."""
+    import copy
+
+    torch._dynamo.reset()
+    stores.clear_memory()
+    stats.reset()
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 16 * len(backends))
+    model = hf_llama_decoder()
+    compiled = {backend: _compiled(copy.deepcopy(model), backend) for backend in backends}
+    prompt = torch.randint(0, 1024, (DECODE_BATCH, DECODE_PROMPT))
+    torch._dynamo.mark_dynamic(prompt, 1)
+    outputs, totals, steps = {}, dict.fromkeys(backends, 0.0), {backend: [] for backend in backends}
+    compiles = dict.fromkeys(backends, 0)
+    with torch.no_grad():
+        for backend in backends:
+            before = _compiles(backend) or 0
+            start = time.perf_counter()
+            outputs[backend] = compiled[backend](input_ids=prompt, use_cache=True)
+            totals[backend] += time.perf_counter() - start
+            compiles[backend] += (_compiles(backend) or 0) - before
+        for turn in range(0, DECODE_TOKENS, DECODE_TURN):
+            for backend in backends:
+                before = _compiles(backend) or 0
+                for step in range(turn, turn + DECODE_TURN):
+                    token = outputs[backend].logits[:, -1:].argmax(-1)
+                    cache = outputs[backend].past_key_values
+                    start = time.perf_counter()
+                    outputs[backend] = compiled[backend](input_ids=token, past_key_values=cache, use_cache=True)
+                    elapsed = time.perf_counter() - start
+                    totals[backend] += elapsed
+                    if step >= DECODE_UNTIMED:
+                        steps[backend].append(elapsed)
+                compiles[backend] += (_compiles(backend) or 0) - before
+    return [{"workload": "decode", "backend": backend, "total_s": round(totals[backend], 2),
+             "compiles": compiles[backend] if backend.startswith("tpucompile") else None,
+             "steady_ms": round(1e3 * statistics.median(steps[backend]), 2)} for backend in backends]
 
 
 def hf_bert() -> torch.nn.Module:
@@ -297,10 +360,47 @@ def tpu_costs(target: str) -> list[dict]:
     return rows
 
 
+def tpu_decode_costs(target: str) -> list[dict]:
+    """XLA's TPU estimate for ``target`` of the ``decode`` workload's decoding step at cache length 660: the
+    exact-size executable, the bucketed one (bucket 1024; the cache grown in its own buffer) and the bucketed
+    one that pads the cache anew (``bucket_reuse_padded_results=False``)."""
+    import transformers
+
+    from tpucompile import driver
+
+    tpu = {"dynamic_mode": "bucket", "bucket_products_on_padding": False}
+    modes = {"exact": {"dynamic_mode": "exact"}, "bucket": tpu,
+             "bucket, cache padded anew": {**tpu, "bucket_reuse_padded_results": False}}
+    rows = []
+    for mode, options in modes.items():
+        torch._dynamo.reset()
+        stores.clear_memory()
+        events: list = []
+        remove = driver.add_observer(functools.partial(_keep_target_events, events))
+        try:
+            compiled = torch.compile(hf_llama_decoder(), backend="tpucompile",
+                                     options={**options, "cache_mode": "off", "targets": [target]})
+            for length in (DECODE_PROMPT + DECODE_TOKENS - 1, DECODE_PROMPT + DECODE_TOKENS):
+                cache = transformers.DynamicCache()
+                for layer in range(4):
+                    keys, values = (torch.randn(DECODE_BATCH, 4, length, 64) for _ in range(2))
+                    torch._dynamo.mark_dynamic(keys, 2)
+                    torch._dynamo.mark_dynamic(values, 2)
+                    cache.update(keys, values, layer)
+                with torch.no_grad():
+                    compiled(input_ids=torch.randint(0, 1024, (DECODE_BATCH, 1)), past_key_values=cache, use_cache=True)
+        finally:
+            remove()
+        event = events[-1]  # the program for the last length
+        rows.append({"mode": mode, "graph": "decoding step", "cycles": event.report.get("estimated_cycles"),
+                     "bytes_accessed": event.report.get("bytes_accessed"), "flops": event.report.get("flops")})
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workloads", default="sweep15,sweep50,train,generate,generate-cache,serve-static,bert")
-    parser.add_argument("--backends", default=",".join(BACKENDS))
+    parser.add_argument("--backends", default=",".join(b for b in BACKENDS if b != "tpucompile-bucket-repad"))
     parser.add_argument("--json", help="write the rows to this file")
     parser.add_argument("--tpu-target", default="tpu:v5e:1x1",
                         help="also report XLA's TPU estimate for this target at length 100 ('' to skip)")
@@ -309,6 +409,11 @@ def main() -> None:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="buckets-inductor-")
     rows = []
     for workload in filter(None, args.workloads.split(",")):
+        if workload == "decode":
+            for row in decode_rows(args.backends.split(",")):
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+            continue
         for backend in args.backends.split(","):
             row = run(workload, backend)
             rows.append(row)
@@ -326,9 +431,11 @@ def main() -> None:
         print(f"{row['workload']:10} {row['backend']:18} {compiles:>8} {row['total_s']:>8.2f} "
               f"{row['steady_ms']:>9.2f}  {ratios}")
     costs = tpu_costs(args.tpu_target) if args.tpu_target else []
+    if args.tpu_target and "decode" in args.workloads.split(","):
+        costs += tpu_decode_costs(args.tpu_target)
     if costs:
-        print(f"\nXLA's estimate for {args.tpu_target} at length {STEADY_LENGTH} (cycles, sum over the "
-              f"entry's instructions; bytes accessed)")
+        print(f"\nXLA's estimate for {args.tpu_target} at length {STEADY_LENGTH}, the decoding step at cache length "
+              f"{DECODE_PROMPT + DECODE_TOKENS} (cycles, sum over the entry's instructions; bytes accessed)")
         exact = {row["graph"]: row for row in costs if row["mode"] == "exact"}
         for row in costs:
             base = exact.get(row["graph"])
