@@ -216,6 +216,12 @@ class Options:
     """Which matrix products and f32 convolutions of CPU programs call the host BLAS kernels instead of XLA's
     own: "auto" (each op where it was measured faster on this machine), "on" (every op they take), "off"."""
 
+    cpu_depthwise_taps: bool = True
+    """Programs compiled for this process's CPU write each depthwise convolution (one input feature per group)
+    and its kernel gradient as sums over the kernel's taps (``runtime/depthwise``): XLA's CPU grouped
+    convolutions take seconds where eager takes milliseconds (timm's FastViT-T8 training step: 40x eager's).
+    The stored StableHLO and every other target keep the convolution. False compiles XLA's convolution."""
+
     host_kernel_timing: str = "background"
     """Where "auto" checks a whole program with the ops that won alone (the ops themselves are timed before the
     compile either way): "background" (the program first runs with XLA's ops; a worker thread compiles it with

@@ -85,3 +85,28 @@ def test_grouped_convolutions_that_are_not_depthwise_stay_convolutions():
     torch.testing.assert_close(got, F.conv2d(x, w, groups=4), rtol=1e-4, atol=1e-4)
     module = events[0].program.bytecode()
     assert depthwise.rewrite(module) is module
+
+
+def test_the_option_off_compiles_xla_own_convolution_under_another_key(seeded):
+    """``cpu_depthwise_taps=False``: the executable holds XLA's grouped convolution, gives the rewritten
+    program's values (forward and gradients), and is stored under a key of its own."""
+    x = torch.randn(2, 8, 12, 12, requires_grad=True)
+    w = torch.randn(8, 1, 3, 3, requires_grad=True)
+
+    def conv(x, w):
+        return F.conv2d(x, w, padding=1, groups=8).relu()
+
+    runs = {}
+    for taps in (True, False):
+        with fresh_start() as events:
+            got = torch.compile(conv, backend="tpucompile", options={"cpu_depthwise_taps": taps})(x, w)
+            grads = torch.autograd.grad(got.square().sum(), (x, w))
+        runs[taps] = (got, grads, events)
+    (on, on_grads, on_events), (off, off_grads, off_events) = runs[True], runs[False]
+    torch.testing.assert_close(off, on, rtol=1e-5, atol=1e-5)
+    for got, want in zip(off_grads, on_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert "feature_group_count=8" in optimized_hlo(off_events[0].executable)
+    assert "feature_group_count=8" not in optimized_hlo(on_events[0].executable)
+    assert off_events[0].program.cache_key == on_events[0].program.cache_key  # the same lowered program
+    assert off_events[0].key != on_events[0].key

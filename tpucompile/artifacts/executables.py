@@ -50,10 +50,11 @@ class LoadedExecutable:
 
 def executable_components(
     program: LoweredProgram, program_sha256: str, target: Target, host_kernels: str,
-    host_ops: tuple[str, ...] | None = None,
+    host_ops: tuple[str, ...] | None = None, depthwise_taps: bool = True,
 ) -> dict[str, Any]:
     """The executable's key components; ``host_ops``: the ops that call the host kernels, None to choose them
-    now (``host_ops_chosen``, timing what this machine has not timed)."""
+    now (``host_ops_chosen``, timing what this machine has not timed); ``depthwise_taps``: the option of that
+    name (a rewrite of CPU programs only)."""
     if host_ops is None:
         host_ops = host_ops_chosen(program, program_sha256, target, host_kernels)
     return executable_key_components(
@@ -63,7 +64,13 @@ def executable_components(
         compile_options_fingerprint(compile_options(target)),
         environment(target),
         host_ops,
+        cpu_rewrites(target, depthwise_taps),
     )
+
+
+def cpu_rewrites(target: Target, depthwise_taps: bool) -> tuple[str, ...]:
+    """The rewrites ``compile_module`` applies to a program for ``target`` (``runtime/compiler.for_target``)."""
+    return ("depthwise_taps",) if depthwise_taps and target.platform == "cpu" else ()
 
 
 def host_ops_chosen(
@@ -105,7 +112,8 @@ def load_executable(
         host_ops = host_ops_chosen(program, program_sha256, target, options.host_kernels, defer)
         if isinstance(host_ops, kernel_choice.ProgramCheck):
             check, host_ops = host_ops, ()
-    components = executable_components(program, program_sha256, target, options.host_kernels, host_ops)
+    components = executable_components(program, program_sha256, target, options.host_kernels, host_ops,
+                                       options.cpu_depthwise_taps)
     key = cache_key(components)
     start = time.perf_counter()
     loaded = tiers.get(stores.executables, key)
@@ -175,7 +183,8 @@ def _compile(
 ) -> LoadedExecutable:
     cache = tiers.persistent
     compile_start = time.perf_counter()
-    loaded = compile_module(program.bytecode(), target, host_ops=components["host_ops"])
+    loaded = compile_module(program.bytecode(), target, host_ops=components["host_ops"],
+                            depthwise_taps="depthwise_taps" in components["rewrites"])
     compile_seconds = time.perf_counter() - compile_start
     tiers.put(stores.executables, key, loaded)
     if cache is not None:

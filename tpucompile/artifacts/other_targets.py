@@ -52,7 +52,8 @@ def compile_for_target(
     the caller can read the optimised HLO (the executable cannot be loaded here). For a program partitioned
     over ``options.mesh``, the report says how each result is laid out (``result_dims``), as a run on the
     target's devices would find it."""
-    components = executable_components(program, program_sha256, target, options.host_kernels)
+    components = executable_components(program, program_sha256, target, options.host_kernels,
+                                       depthwise_taps=options.cpu_depthwise_taps)
     key = cache_key(components)
     start = time.perf_counter()
     cache = tiers.persistent
@@ -67,7 +68,7 @@ def compile_for_target(
     with mlir_context():
         module = ir.Module.parse(program.bytecode())  # a copy: compiling may change the module it is given
     try:
-        compiled = compile_for(module, target, name)
+        compiled = compile_for(module, target, name, "depthwise_taps" in components["rewrites"])
     except TargetCompileError as error:
         return TargetOutcome(str(target.name), key, components, None, time.perf_counter() - start, 0.0, {},
                              error=error)

@@ -68,13 +68,15 @@ def executable_key_components(
     compile_options: bytes,
     environment: Mapping[str, Any],
     host_ops: Sequence[str] = (),
+    rewrites: Sequence[str] = (),
 ) -> dict[str, Any]:
     """Components of a StableHLO → executable key.
 
     ``program`` is the module text without locations (or its SHA-256), ``inputs``/``outputs`` the
     signature as (dtype, shape) pairs, ``compile_options`` the serialised options with debug fields
     cleared, ``environment`` the values named in ``ENVIRONMENT_COMPONENTS``, ``host_ops`` the signatures of the
-    ops compiled as calls of the host kernels (the rest is XLA's own code).
+    ops compiled as calls of the host kernels (the rest is XLA's own code), ``rewrites`` the names of the
+    rewrites applied to the module before XLA compiles it (``depthwise_taps`` on the CPU).
     """
     return {
         "kind": "executable",
@@ -83,6 +85,7 @@ def executable_key_components(
         "outputs": [[dtype, list(shape)] for dtype, shape in outputs],
         "compile_options": digest(compile_options),
         "host_ops": sorted(host_ops),
+        "rewrites": sorted(rewrites),
         **{name: environment[name] for name in ENVIRONMENT_COMPONENTS},
     }
 

@@ -15,11 +15,11 @@ from tpucompile.runtime.xla_options import compile_options
 
 
 def compile_module(module: bytes | str, target: Target, num_partitions: int | None = None,
-                   host_ops: Iterable[str] | None = None) -> object:
+                   host_ops: Iterable[str] | None = None, depthwise_taps: bool = True) -> object:
     """Compile StableHLO (MLIR bytecode or text) for ``target`` and load it on its devices (one partition per
     device unless ``num_partitions`` says otherwise). ``host_ops``: the signatures of the ops that call the host
-    kernels (``kernel_choice.chosen_ops``); None sends every op they take."""
-    module = for_target(module, target, host_ops)
+    kernels (``kernel_choice.chosen_ops``); None sends every op they take. ``depthwise_taps``: as ``for_target``."""
+    module = for_target(module, target, host_ops, depthwise_taps)
     try:
         loaded = target.client.compile_and_load(module, target.device_list(), compile_options(target, num_partitions))
     except Exception as error:  # XlaRuntimeError and friends: keep XLA's words, say whose they are
@@ -31,12 +31,13 @@ def compile_module(module: bytes | str, target: Target, num_partitions: int | No
     return loaded
 
 
-def for_target(module: bytes | str, target: Target, host_ops: Iterable[str] | None = None) -> bytes | str:
+def for_target(module: bytes | str, target: Target, host_ops: Iterable[str] | None = None,
+               depthwise_taps: bool = True) -> bytes | str:
     """``module`` as ``target`` compiles it: on one CPU device with host kernels, the matrix products and f32
-    convolutions named by ``host_ops`` (all they take when None) call them (``kernel_choice``); on the CPU,
-    depthwise convolutions are sums over their taps (``depthwise``); otherwise unchanged."""
+    convolutions named by ``host_ops`` (all they take when None) call them (``kernel_choice``); on the CPU with
+    ``depthwise_taps``, depthwise convolutions are sums over their taps (``depthwise``); otherwise unchanged."""
     module = kernel_choice.apply(module, target, host_ops)
-    return depthwise.rewrite(module) if target.platform == "cpu" else module
+    return depthwise.rewrite(module) if depthwise_taps and target.platform == "cpu" else module
 
 
 def unoptimized_hlo(module: bytes | str) -> str:

@@ -141,9 +141,10 @@ def _where(location: str, fallback: str) -> str:
     return f"{match['op']} at {match['file']}:{match['line']}"
 
 
-def compile_for(module: ir.Module, target: Target, name: str) -> TargetExecutable:
+def compile_for(module: ir.Module, target: Target, name: str, depthwise_taps: bool = True) -> TargetExecutable:
     """Compile ``module`` (parsed in a jax MLIR context; compile-only clients refuse text and bytes) for
-    ``target``'s devices; ``TargetCompileError`` naming the graph, the op and the target when XLA refuses."""
+    ``target``'s devices; ``TargetCompileError`` naming the graph, the op and the target when XLA refuses.
+    ``depthwise_taps``: as ``compiler.for_target``."""
     check_supported(module, target, name)
     start = time.perf_counter()
     try:
@@ -151,7 +152,8 @@ def compile_for(module: ir.Module, target: Target, name: str) -> TargetExecutabl
             executable = target.client.compile(module, executable_devices=target.device_list(),
                                                compile_options=compile_options(target))
         else:  # a platform of this machine: its client compiles only by loading
-            program = for_target(module.operation.get_asm(enable_debug_info=True), target)
+            program = for_target(module.operation.get_asm(enable_debug_info=True), target,
+                                 depthwise_taps=depthwise_taps)
             executable = _Loaded(target.client, target.client.compile_and_load(
                 program, target.device_list(), compile_options(target)))
     except Exception as error:
