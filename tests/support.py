@@ -155,3 +155,20 @@ def small_ints(dtype: torch.dtype, *shape: int, low: int = -5, high: int = 6) ->
     """Random integers in ``[low, high)``, by default a range small enough for sums and products of a few
     of them not to overflow, and for ties to happen."""
     return torch.randint(low, high, shape, dtype=dtype)
+
+
+def crossed_padded(monkeypatch: Any) -> list[bool]:
+    """Per runtime-sized argument of each bucketed call from now on, whether it crossed as the padded buffer a
+    result was cut from (``runtime/padded_results``) rather than padded anew."""
+    from tpucompile.runtime.buckets import BucketedGraph
+
+    seen = []
+    original = BucketedGraph._padded_result
+
+    def spy(tensor: Any, shape: tuple[int, ...], take: bool) -> Any:
+        found = original(tensor, shape, take)
+        seen.append(found is not None)
+        return found
+
+    monkeypatch.setattr(BucketedGraph, "_padded_result", staticmethod(spy))
+    return seen

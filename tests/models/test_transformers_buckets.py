@@ -14,7 +14,7 @@ import torch
 import transformers
 
 import tpucompile
-from tests.support import assert_close_tree
+from tests.support import assert_close_tree, crossed_padded
 from tpucompile.errors import TpuCompileWarning
 from tpucompile.metrics import compile_stats
 
@@ -112,19 +112,9 @@ def test_greedy_generation_with_a_growing_cache(caplog, monkeypatch, seeded):
     decoding graph, and the tokens and logits equal eager's. The cache each step returns goes back into the
     next as the padded buffer it was cut from (``runtime/padded_results``): in all but the first two steps and
     the first of bucket 32, every layer's keys and values."""
-    from tpucompile.runtime.buckets import BucketedGraph
-
     caplog.set_level(logging.INFO, logger="tpucompile")
     compile_stats.reset()
-    crossed = []
-    original = BucketedGraph._padded_result
-
-    def spy(tensor, shape, take):
-        found = original(tensor, shape, take)
-        crossed.append(found is not None)
-        return found
-
-    monkeypatch.setattr(BucketedGraph, "_padded_result", staticmethod(spy))
+    crossed = crossed_padded(monkeypatch)
     model = _llama().eval()
     compiled = torch.compile(model, backend="tpucompile", options=BUCKETED)
     prompt = torch.randint(0, model.config.vocab_size, (2, 6))

@@ -11,6 +11,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import tpucompile
+from tests.support import crossed_padded
 from tpucompile.runtime import host_copies, padded_results
 from tpucompile.runtime.buckets import BucketedGraph
 from tpucompile.runtime.padded_results import growing_arguments
@@ -83,21 +84,6 @@ def _decode(model, steps: int, changed_at: int | None = None) -> list[torch.Tens
     return outputs
 
 
-def _crossed_padded(monkeypatch) -> list[bool]:
-    """Per runtime-sized argument of each bucketed call from now on, whether it crossed as a result's padded
-    buffer."""
-    seen = []
-    original = BucketedGraph._padded_result
-
-    def spy(tensor, shape, take):
-        found = original(tensor, shape, take)
-        seen.append(found is not None)
-        return found
-
-    monkeypatch.setattr(BucketedGraph, "_padded_result", staticmethod(spy))
-    return seen
-
-
 @pytest.mark.parametrize("changed_at", [None, 12], ids=["unchanged", "changed-in-place"])
 def test_a_cache_passed_back_crosses_unpadded_and_gives_eager_results(changed_at, monkeypatch, seeded):
     """20 steps from a cache of 3 (buckets 16 and 32): after the first step in a bucket, which pads, every
@@ -105,7 +91,7 @@ def test_a_cache_passed_back_crosses_unpadded_and_gives_eager_results(changed_at
     path that pads each call. A cache changed in place is padded again from its new values."""
     model = _Decoder()
     expected = _decode(model, 20, changed_at)
-    crossed = _crossed_padded(monkeypatch)
+    crossed = crossed_padded(monkeypatch)
     reused = _decode(torch.compile(model, backend="tpucompile", options={"dynamic_mode": "bucket"}), 20, changed_at)
     torch._dynamo.reset()
     padded = _decode(torch.compile(model, backend="tpucompile", options={
@@ -156,7 +142,7 @@ def test_a_value_passed_between_graphs_crosses_unpadded_and_stays_for_another_ca
     again, which costs less than noting it.)"""
     first = torch.compile(lambda x: torch.tanh(x) * 2, backend="tpucompile", options={"dynamic_mode": "bucket"})
     second = torch.compile(lambda h: h.softmax(0).sum(1), backend="tpucompile", options={"dynamic_mode": "bucket"})
-    crossed = _crossed_padded(monkeypatch)
+    crossed = crossed_padded(monkeypatch)
     with torch.no_grad():
         for n in (9, 12, 14, 11):
             x = torch.randn(n, 4096)
