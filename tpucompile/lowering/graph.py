@@ -170,8 +170,8 @@ class _GraphLowering:
             block = main.add_entry_block()
         for (_, node), arg in zip(tensor_inputs, block.arguments, strict=False):
             self.env[node] = arg
-        whole_arguments = {node: self.env[node] for _, node in tensor_inputs}
         grown = grown_in_place.concatenations(tensor_inputs, result_nodes, self.bindings) if size_symbols else {}
+        whole_arguments = {argument: self.env[argument] for argument in grown.values()}  # before the slice below
         if size_symbols:
             size_arguments = block.arguments[len(tensor_inputs):len(tensor_inputs) + len(size_symbols)]
             self.sizes = dynamic_sizes.SizeValues(dict(zip(size_symbols, size_arguments, strict=True)))
@@ -224,10 +224,10 @@ class _GraphLowering:
         laid_out_alike = _layout_check(mesh, arg_dims, result_dims)
         aliases = self._input_aliases(tensor_inputs, outputs, unique_results, input_specs, result_specs,
                                       laid_out_alike)
+        grown_into = {argument: cat for cat, argument in grown.items()}
         for k, (_, node) in enumerate(tensor_inputs):  # an argument grown in place takes its result
-            grew = next((cat for cat, argument in grown.items() if argument is node), None)
-            if grew is not None and aliases[k] is None and unique_results.index(grew) not in aliases:
-                aliases[k] = unique_results.index(grew)
+            if node in grown_into and aliases[k] is None and unique_results.index(grown_into[node]) not in aliases:
+                aliases[k] = unique_results.index(grown_into[node])
         if any(a is not None for a in aliases):
             set_input_aliases(main.operation, aliases)
 

@@ -63,10 +63,9 @@ def lower(node: torch.fx.Node, argument: torch.fx.Node, full: ir.Value, env: Map
     """``node`` (a concatenation ``concatenations`` found) as an update of ``full``, the argument's whole
     buffer, at the argument's actual extent along the concatenated dimension."""
     rank = argument.meta["val"].dim()
-    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
-    dim = dim % rank
-    extent = dict(dynamic_sizes.symbolic_dims(argument.meta["val"], runtime)).get(dim)
-    start = sizes.of(extent) if extent is not None else constant(int(argument.meta["val"].shape[dim]),
-                                                                    dynamic_sizes.SIZE_DTYPE)
+    dim = (node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)) % rank
+    # runtime-sized: the argument's headroom is along runtime-sized dimensions only, and the result's size
+    # equals it (``concatenations``), so the concatenated dimension is one of them
+    start = sizes.of(dict(dynamic_sizes.symbolic_dims(argument.meta["val"], runtime))[dim])
     zero = constant(0, dynamic_sizes.SIZE_DTYPE)
     return hlo.dynamic_update_slice(full, env[node.args[0][1]], [start if d == dim else zero for d in range(rank)])

@@ -141,7 +141,7 @@ class BucketedGraph:
         self._padded = [(position, symbolic_dims(meta, runtime)) for position, meta in enumerate(self._metas)
                         if isinstance(meta, torch.Tensor) and symbolic_dims(meta, runtime)]
         self._outputs_rules = [self._output_rule(out, placeholders, runtime) for out in _graph_outputs(gm)]
-        self._result_slots = ([padded_results.ResultSlot(self) for _ in self._outputs_rules] if reuse_padded_results
+        self._result_slots = ([padded_results.ResultSlot() for _ in self._outputs_rules] if reuse_padded_results
                               else None)
         """Per output, whether its cuts come back as inputs (``padded_results``); None: never reused."""
         self._headroom: dict[int, tuple[int, ...]] = {}
@@ -229,10 +229,11 @@ class BucketedGraph:
         if cuts is None:
             cuts = call.cuts = [self._cut_shape(result, rule, call.values)
                                 for result, rule in zip(results, self._outputs_rules, strict=True)]
+            call.noted = self._noted_slots(cuts, call.entry.direct)
         kept = self._kept_padded_from()
         direct = call.entry.direct
         runner = call.entry.runner
-        slots = self._result_slots if direct else None
+        noted = call.noted
         outputs = []
         for index, (result, (kind, detail), cut) in enumerate(zip(results, self._outputs_rules, cuts, strict=True)):
             if kind == "input":
@@ -241,12 +242,21 @@ class BucketedGraph:
                 outputs.append(evaluate(detail, call.values))
             elif cut is not None and index < kept:  # a copy, never a view: AOTAutograd replays an output that
                 tensor = host_copies.cut(to_tensor(result) if direct else result, cut)  # aliases an input
-                if slots is not None and (slots[index].always_noted or math.prod(cut) >= padded_results.NOTED_ELEMENTS):
-                    self._note_cut(tensor, slots[index], result, runner)
+                if noted[index] is not None:
+                    self._note_cut(tensor, noted[index], result, runner)
                 outputs.append(tensor)
             else:  # from the output's base
                 outputs.append(runner.export(result) if direct else result)
         return outputs
+
+    def _noted_slots(self, cuts: list[tuple[int, ...] | None], direct: bool) -> list[Any]:
+        """Per output, the slot its cuts are noted under (``padded_results``), None where they are not: cuts
+        of an output that extends an argument, and cuts of ``NOTED_ELEMENTS`` or more."""
+        slots = self._result_slots
+        if slots is None or not direct:
+            return [None] * len(cuts)
+        return [slot if cut is not None and (slot.always_noted or math.prod(cut) >= padded_results.NOTED_ELEMENTS)
+                else None for slot, cut in zip(slots, cuts, strict=True)]
 
     @staticmethod
     def _padded_result(tensor: Any, shape: tuple[int, ...], take: bool) -> Any | None:
@@ -394,6 +404,9 @@ class _Call:
     values: dict[sympy.Symbol, int]
     sizes: list[torch.Tensor]
     cuts: list[tuple[int, ...] | None] | None = None
+    noted: list[Any] | None = None
+    """Per output, the slot under which its cuts are noted, or None (``BucketedGraph._noted_slots``); known
+    with ``cuts``."""
 
 
 _MAX_CALLS = 4096

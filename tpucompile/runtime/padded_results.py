@@ -39,20 +39,14 @@ from tpucompile.runtime.host_copies import SERIAL_ELEMENTS
 
 
 class ResultSlot:
-    """One output of a bucketed graph: the graph (weakly: a caller's output must not keep a dropped model's
-    programs alive) and whether the output's values have come back as a bucketed graph's inputs."""
+    """One output of a bucketed graph: whether its values have come back as a bucketed graph's inputs."""
 
-    __slots__ = ("_graph", "always_noted", "fed_back")
+    __slots__ = ("always_noted", "fed_back")
 
-    def __init__(self, graph: Any) -> None:
-        self._graph = weakref.ref(graph)
+    def __init__(self) -> None:
         self.fed_back = False
         self.always_noted = False
         """Whether every cut of this output is noted, whatever its size (an output that extends an argument)."""
-
-    @property
-    def graph(self) -> Any:
-        return self._graph()
 
 
 class Cut(weakref.ref):
