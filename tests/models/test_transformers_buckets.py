@@ -106,16 +106,27 @@ def _greedy(model, prompt: torch.Tensor, steps: int) -> tuple[torch.Tensor, torc
     return torch.cat(tokens, 1), torch.stack(logits, 1)
 
 
-def test_greedy_generation_with_a_growing_cache(caplog, monkeypatch, seeded):
+def _mistral_wide_window() -> transformers.PreTrainedModel:
+    """Mistral with a window wider than the sequences decoded: its cache layers grow like Llama's and count
+    the tokens seen, a length each decoding graph returns as a size."""
+    config = transformers.MistralConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                        num_key_value_heads=2, intermediate_size=128, max_position_embeddings=128,
+                                        sliding_window=64)
+    return transformers.MistralForCausalLM(config)
+
+
+@pytest.mark.parametrize("build", [_llama, _mistral_wide_window], ids=["llama", "mistral-window"])
+def test_greedy_generation_with_a_growing_cache(build, caplog, monkeypatch, seeded):
     """Each decoding step concatenates one token to a cache of runtime length, takes the last position, and
     counts positions from the cache's length: 20 tokens after a prompt of 6 need two buckets (16 and 32) of the
     decoding graph, and the tokens and logits equal eager's. The cache each step returns goes back into the
     next as the padded buffer it was cut from (``runtime/padded_results``): in all but the first two steps and
-    the first of bucket 32, every layer's keys and values."""
+    the first of bucket 32, every layer's keys and values, also where the graph returns sizes beside them
+    (Mistral's sliding-window layers)."""
     caplog.set_level(logging.INFO, logger="tpucompile")
     compile_stats.reset()
     crossed = crossed_padded(monkeypatch)
-    model = _llama().eval()
+    model = build().eval()
     compiled = torch.compile(model, backend="tpucompile", options=BUCKETED)
     prompt = torch.randint(0, model.config.vocab_size, (2, 6))
     with torch.no_grad(), warnings.catch_warnings():

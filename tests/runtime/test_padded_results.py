@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import gc
+from typing import Any
 
 import pytest
 import torch
@@ -54,16 +55,20 @@ def test_a_result_longer_along_a_fixed_dimension_is_no_growth(seeded):
 
 class _Decoder(torch.nn.Module):
     """One step of a decoder with a cache: the new position's key appended to the cache, the step's output
-    attending over every position (a softmax and a product across the runtime-sized dimension)."""
+    attending over every position (a softmax and a product across the runtime-sized dimension); with
+    ``counts``, also the cache's new length, a size the graph returns beside its tensors (as Hugging Face's
+    sliding-window cache layers count the tokens seen)."""
 
-    def __init__(self) -> None:
+    def __init__(self, counts: bool = False) -> None:
         super().__init__()
         self.key = torch.nn.Linear(8, 8)
+        self.counts = counts
 
-    def forward(self, cache: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, cache: torch.Tensor, x: torch.Tensor) -> tuple[Any, ...]:
         cache = torch.cat([cache, self.key(x)], dim=1)
         weights = torch.softmax(torch.einsum("bd,bsd->bs", x[:, 0], cache), dim=-1)
-        return cache, torch.einsum("bs,bsd->bd", weights, cache)
+        out = torch.einsum("bs,bsd->bd", weights, cache)
+        return (cache, out, cache.shape[1]) if self.counts else (cache, out)
 
 
 def _decode(model, steps: int, changed_at: int | None = None) -> list[torch.Tensor]:
@@ -77,18 +82,21 @@ def _decode(model, steps: int, changed_at: int | None = None) -> list[torch.Tens
         for step in range(steps):
             if step == changed_at:
                 cache.mul_(-1)
-            cache, out = model(cache, torch.randn(2, 1, 8))
+            cache, out, *length = model(cache, torch.randn(2, 1, 8))
+            assert length in ([], [cache.shape[1]]), length
             outputs.append(out)
     outputs.append(cache)
     return outputs
 
 
-@pytest.mark.parametrize("changed_at", [None, 12], ids=["unchanged", "changed-in-place"])
-def test_a_cache_passed_back_crosses_unpadded_and_gives_eager_results(changed_at, monkeypatch, seeded):
+@pytest.mark.parametrize(("changed_at", "counts"), [(None, False), (12, False), (None, True)],
+                         ids=["unchanged", "changed-in-place", "length-returned"])
+def test_a_cache_passed_back_crosses_unpadded_and_gives_eager_results(changed_at, counts, monkeypatch, seeded):
     """20 steps from a cache of 3 (buckets 16 and 32): after the first step in a bucket, which pads, every
     step takes the cache as the buffer the previous step returned, and every output equals eager's and the
-    path that pads each call. A cache changed in place is padded again from its new values."""
-    model = _Decoder()
+    path that pads each call. A cache changed in place is padded again from its new values; a graph that
+    also returns a size reuses the same way."""
+    model = _Decoder(counts)
     expected = _decode(model, 20, changed_at)
     crossed = crossed_padded(monkeypatch)
     reused = _decode(torch.compile(model, backend="tpucompile", options={"dynamic_mode": "bucket"}), 20, changed_at)

@@ -214,6 +214,8 @@ class BucketedGraph:
                 donate = bool(taken_over) and all(isinstance(padded[p], torch.Tensor) or p in taken_over
                                                   for p in entry.donated)
                 results = entry.runner.execute([*padded, *call.sizes], donate)
+                if entry.spread is not None:  # outputs that are sizes or arguments: no result of their own
+                    results = [None if index is None else results[index] for index in entry.spread]
             else:
                 results = entry.runner([*padded, *call.sizes])
         finally:
@@ -360,12 +362,27 @@ class BucketedGraph:
                      len(self._entries) + 1)
         return self._compile(bucket)
 
+    def _results_per_output(self, runner: Any) -> list[int | None] | None:
+        """Per output, the program result ``runner.execute`` returns for it, or None for an output this graph
+        supplies itself (a size, read from the call's values; an argument returned as it is), when every output
+        is one or the other; None when the runner's outputs are not so (``_BucketEntry.direct``)."""
+        if not isinstance(runner, GraphExecutable):
+            return None
+        per_output = runner.results_per_output
+        if per_output is None or len(per_output) != len(self._outputs_rules):
+            return None
+        if any(index is None and kind not in ("size", "input")
+               for index, (kind, _) in zip(per_output, self._outputs_rules, strict=True)):
+            return None
+        return per_output
+
     def _compile(self, bucket: Bucket) -> _BucketEntry:
         bounds = dict(zip(self.symbols, bucket, strict=True))
         extents = {position: tuple(n + e for n, e in zip(shape_at(self._metas[position], bounds), extra, strict=True))
                    for position, extra in self._headroom.items()}
         runner = self._build(bounds, frozenset(self.symbols), extents)
-        direct = isinstance(runner, GraphExecutable) and runner.returns_results_in_order
+        spread = self._results_per_output(runner)
+        direct = spread is not None
         stage = self._stage and direct and shares_host_memory(runner.device)
         donated = {runner.input_positions[slot] for slot in runner.donated_slots} if direct else set()
         pads = []
@@ -374,7 +391,8 @@ class BucketedGraph:
             shape = extents.get(position) or shape_at(meta, bounds)
             staged = StagedInput(shape, meta.dtype) if stage else None  # a donated slot takes a copy of it
             pads.append((position, shape, staged))
-        entry = _BucketEntry(runner, pads, direct, frozenset(donated))
+        spread = None if spread is None or None not in spread else tuple(spread)
+        entry = _BucketEntry(runner, pads, direct, frozenset(donated), spread)
         keep_bounded(self._entries, bucket, entry, self._max_entries, f"{self.name} dropped the executable for bucket")
         self._calls.clear()  # a call prepared for a dropped bucket would keep its executable alive
         return entry
@@ -384,14 +402,18 @@ class BucketedGraph:
 class _BucketEntry:
     """One bucket's executable and how its padded inputs are made: per runtime-sized argument, its position,
     its shape in the bucket and the tensor it is written into (``staged_inputs``), or None to pad a new one.
-    ``direct``: the runner is one executable whose results are the outputs in order, taken as device buffers
-    so that a result cut to its actual sizes is not first exported and counted."""
+    ``direct``: the runner is one executable whose results are the outputs in order (but for outputs the graph
+    supplies itself: ``spread``), taken as device buffers so that a result cut to its actual sizes is not first
+    exported and counted."""
 
     runner: Any
     pads: list[tuple[int, tuple[int, ...], StagedInput | None]]
     direct: bool
     donated: frozenset[int] = frozenset()
     """The argument positions the program takes over (a cache grown in place: ``lowering/grown_in_place``)."""
+    spread: tuple[int | None, ...] | None = None
+    """With ``direct``, where some outputs are not program results (a size: a sliding-window cache's length):
+    per output, the index of its result, or None. None when the results are the outputs one to one."""
 
 
 @dataclasses.dataclass

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from tpucompile.contracts.calling_convention import (
+    CONSTANT,
     INPUT,
     PART,
     RESULT,
@@ -83,6 +84,7 @@ class GraphExecutable:
         self._results_in_order = self._plan == [(RESULT, i) for i in range(len(self._plan))] and (
             result_count is None or result_count == len(self.output_plan)
         )
+        self._results_per_output = _results_per_output(self._plan, result_count)
 
     def buffers(self, args: Sequence[Any], donate: bool = False) -> list[Any]:
         """Device buffers of the program's arguments, reusing those of unchanged tensors; with ``donate`` the
@@ -178,6 +180,13 @@ class GraphExecutable:
         no result trimmed): what ``execute`` gives then maps one to one onto the outputs."""
         return self._results_in_order
 
+    @property
+    def results_per_output(self) -> list[int | None] | None:
+        """Per output, the program result it is (None for an argument returned as it is or a constant), when
+        the results are whole and in output order; None otherwise (a result trimmed or split): what lets a
+        caller of ``execute`` supply those outputs itself."""
+        return self._results_per_output
+
     def execute(self, args: list[Any], donate: bool = False) -> list[Any]:
         """The program's results as device buffers, neither exported nor counted: for a caller that turns
         each into a tensor of its own at once (``export`` for one it hands on as it is); ``donate`` as for
@@ -224,3 +233,14 @@ class GraphExecutable:
             else:
                 outputs.append(value)
         return outputs
+
+
+def _results_per_output(plan: list[tuple[int, Any]], result_count: int | None) -> list[int | None] | None:
+    """``GraphExecutable.results_per_output`` from its call plan."""
+    per_output = [value if kind == RESULT else None for kind, value in plan]
+    if any(kind not in (RESULT, INPUT, CONSTANT) for kind, _ in plan):
+        return None
+    results = [index for index in per_output if index is not None]
+    if results != list(range(len(results))) or (result_count is not None and result_count != len(results)):
+        return None
+    return per_output
