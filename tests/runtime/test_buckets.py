@@ -357,7 +357,11 @@ _W = torch.randn(8, 6)
     lambda x: (x.reshape(-1, 8) @ _W).reshape(3, -1, 2, 3).transpose(1, 2).softmax(-2),  # split into heads
     lambda x: (x.mean(dim=2), x.argmax(dim=1), x[:, 1:, :2].amax(1), x.select(1, 2)),
     lambda x: torch.nn.functional.embedding((x[..., 0] > 0).long(), _W),
-], ids=["merge-inner", "linear-3d", "split-heads", "static-reductions-and-slices", "embedding"])
+    # rows merged with the padded dimension outermost, through a product, split back (XLA's padder aborted)
+    lambda x: (x.unsqueeze(2).expand(-1, -1, 2, -1).reshape(3, 2 * x.shape[1], 8) @ x.transpose(1, 2)).reshape(
+        3, x.shape[1], 2, x.shape[1]).softmax(-1),
+], ids=["merge-inner", "linear-3d", "split-heads", "static-reductions-and-slices", "embedding",
+        "split-outer-after-product"])
 def test_views_and_lookups_stay_on_buckets(op, caplog, seeded):
     caplog.set_level(logging.INFO, logger="tpucompile")
     compiled = torch.compile(op, backend="tpucompile", options=BUCKETED)

@@ -438,6 +438,11 @@ class _GraphLowering:
             if kind == "split":
                 with _location(node):
                     return self._split_reshape(node, *detail)
+            if kind == "outer-split":
+                with _location(node):
+                    fixed = dynamic_sizes.fixed_shape(self._materialize(node.args[0]), [detail],
+                                                      self.bindings.fixed_in_place)
+                    return builder.reshape(fixed, self.bindings.spec(node.meta["val"]).shape)
         args = [self._materialize(a) for a in node.args]
         kwargs = {k: self._materialize(v) for k, v in node.kwargs.items()}
         ctx = LoweringContext(

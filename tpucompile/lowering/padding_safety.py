@@ -156,11 +156,13 @@ RESHAPES = frozenset({aten.view.default, aten._unsafe_view.default, aten.reshape
 
 def reshape_plan(node: torch.fx.Node, runtime: frozenset[sympy.Symbol]) -> tuple[str, Any]:
     """How a view of a runtime-sized tensor stays exact: ("xla", None) when XLA's padder follows it (a
-    runtime-sized dimension kept, merged with others, or split with itself outermost), ("split", (input dim,
-    output dims)) for the one split XLA gets wrong, a runtime-sized dimension split with itself inside (as
-    ``(b * s, n) -> (b, s, n)`` after a matrix product), which the lowering gathers itself; else ("inexact",
-    why). Groups are the runs of dimensions whose products match, found with every symbol set to a large
-    prime (so products of different symbols never collide)."""
+    runtime-sized dimension kept or merged with others), ("split", (input dim, output dims)) for the split XLA
+    gets wrong, a runtime-sized dimension split with itself inside (as ``(b * s, n) -> (b, s, n)`` after a
+    matrix product), which the lowering gathers itself; ("outer-split", input dim) for one split with itself
+    outermost (``(2 * s, n) -> (s, 2, n)``), whose actual elements are a prefix: the lowering reshapes it in a
+    fixed shape, since XLA's padder, following the size back through a product, aborts the process on some
+    (``dynamic_sizes.fixed_shape``); else ("inexact", why). Groups are the runs of dimensions whose products
+    match, found with every symbol set to a large prime (so products of different symbols never collide)."""
     before, after = node.args[0].meta["val"], node.meta["val"]
     sample = {symbol: 1009 + 2 * k for k, symbol in enumerate(sorted(runtime, key=str))}
 
@@ -194,9 +196,12 @@ def reshape_plan(node: torch.fx.Node, runtime: frozenset[sympy.Symbol]) -> tuple
         flags_in, flags_out = [d for _, _, d in group_in], [d for _, _, d in group_out]
         if sum(flags_in) > 1 or sum(flags_out) > 1:
             return "inexact", "it merges or splits two padded dimensions together"
+        if flags_out and flags_out[0] and len(group_in) == 1 and len(group_out) > 1 and plan[0] == "xla":
+            plan = ("outer-split", group_in[0][0])
+            continue
         if not any(flags_out) or len(group_out) == 1 or flags_out[0]:
             continue
-        if len(group_in) != 1 or plan[0] == "split":
+        if len(group_in) != 1 or plan[0] != "xla":
             return "inexact", "it splits a padded dimension in a way tpucompile cannot follow"
         plan = ("split", (group_in[0][0], [dim for dim, _, _ in group_out]))
     return plan
