@@ -60,7 +60,8 @@ def tpucompile_backend(
     index = next(_graph_counter)
     dump.start_from_environment()
     record_graph(f"graph {index}", "fx", gm)
-    if rewrite_attention(gm, kernel=targets.attention_kernel, prescale_query=config.prescale_attention_query):
+    if rewrite_attention(gm, kernel=targets.attention_kernel, prescale_query=config.prescale_attention_query,
+                         group_queries=config.grouped_query_attention):
         record_graph(f"graph {index}", "fx_rewrite_attention", gm)
     if rewrite_interpolation(gm):
         record_graph(f"graph {index}", "fx_rewrite_interpolation", gm)

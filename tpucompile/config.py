@@ -160,6 +160,14 @@ class Options:
     (``roll_layers_for``); True rolls there too (a deep model's plan compiles in a fraction of the time). The
     graph dump says which runs were rolled and why others were not."""
 
+    grouped_query_attention: bool = True
+    """Attention in its math form whose keys and values serve groups of query heads (Hugging Face's
+    ``repeat_kv`` expansion, or ``enable_gqa``) is computed per key/value head, each group's queries as rows of
+    one product (``decompositions.grouped_query_attention``), so the keys and values are never copied per query
+    head: a decoding step reads its cache once per key/value head, and the keys' and values' gradients come
+    out of the products summed. False computes it on the repeated keys and values, as the model wrote it.
+    Measured in ``docs/benchmarks.md``."""
+
     prescale_attention_query: bool = True
     """On the attention kernel's route (a TPU target), the query is multiplied by the attention's scale as an
     op of the graph and the kernel runs with scale 1, so the forward saves the scaled query and XLA fuses the

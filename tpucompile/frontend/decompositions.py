@@ -78,8 +78,41 @@ def scaled_dot_product_attention(
     key, value = grouped_key_value(query, key, value, enable_gqa)
     scores = torch.matmul(query, key.transpose(-2, -1)) * scale
     length_q, length_k = query.shape[-2], key.shape[-2]
-    if is_causal:
-        causal = torch.ones(length_q, length_k, dtype=torch.bool, device=query.device).tril()
+    causal = torch.ones(length_q, length_k, dtype=torch.bool, device=query.device).tril() if is_causal else None
+    return torch.matmul(_attention_weights(scores, attn_mask, dropout_p, causal), value)
+
+
+def grouped_query_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """The math form of grouped-query attention, without repeating the keys and values per query head: each
+    key/value head serves a group of consecutive query heads (as ``repeat_kv`` and ``enable_gqa`` lay them out),
+    so the group's queries are rows of one product with that head's keys and values. The same scores as the
+    repeated form, but no copy of the keys and values per query head (a decoding step's cache, the whole bucket
+    of it, read once per key/value head), and their gradients summed by the products. The rows are ordered head
+    first, then query position, so the scores split back into heads as the repeated form's are laid out."""
+    scale = attention_scale(query, scale)
+    *batch, heads, length_q, dim = query.shape
+    key_heads, length_k = key.shape[-3], key.shape[-2]
+    rows = query.reshape(*batch, key_heads, heads // key_heads * length_q, dim)
+    scores = torch.matmul(rows, key.transpose(-2, -1)).reshape(*batch, heads, length_q, length_k) * scale
+    causal = torch.ones(length_q, length_k, dtype=torch.bool, device=query.device).tril() if is_causal else None
+    weights = _attention_weights(scores, attn_mask, dropout_p, causal)
+    out = torch.matmul(weights.reshape(*batch, key_heads, heads // key_heads * length_q, length_k), value)
+    return out.reshape(*batch, heads, length_q, value.shape[-1])
+
+
+def _attention_weights(scores: torch.Tensor, attn_mask: torch.Tensor | None, dropout_p: float,
+                       causal: torch.Tensor | None) -> torch.Tensor:
+    """Attention's probabilities from its scaled scores: the causal band (True where a query sees a key) and
+    the mask applied, softmax over the keys, dropout."""
+    if causal is not None:
         scores = scores.masked_fill(~causal, float("-inf"))
     if attn_mask is not None:
         if attn_mask.dtype == torch.bool:
@@ -91,7 +124,7 @@ def scaled_dot_product_attention(
         weights = torch.softmax(scores, dim=-1)
     if dropout_p > 0.0:
         weights = torch.nn.functional.dropout(weights, p=dropout_p)
-    return torch.matmul(weights, value)
+    return weights
 
 
 def _softmax_of_masked(scores: torch.Tensor) -> torch.Tensor:
