@@ -362,8 +362,9 @@ def tpu_costs(target: str) -> list[dict]:
 
 def tpu_decode_costs(target: str) -> list[dict]:
     """XLA's TPU estimate for ``target`` of the ``decode`` workload's decoding step at cache length 660: the
-    exact-size executable, the bucketed one (bucket 1024; the cache grown in its own buffer) and the bucketed
-    one that pads the cache anew (``bucket_reuse_padded_results=False``)."""
+    exact-size executable, the bucketed one (bucket 1024; the cache grown in its own buffer), the bucketed
+    one that pads the cache anew (``bucket_reuse_padded_results=False``), and the step with a static cache of
+    1024 positions instead."""
     import transformers
 
     from tpucompile import driver
@@ -394,7 +395,36 @@ def tpu_decode_costs(target: str) -> list[dict]:
         event = events[-1]  # the program for the last length
         rows.append({"mode": mode, "graph": "decoding step", "cycles": event.report.get("estimated_cycles"),
                      "bytes_accessed": event.report.get("bytes_accessed"), "flops": event.report.get("flops")})
+    rows.append(_tpu_static_decode_cost(target))
     return rows
+
+
+def _tpu_static_decode_cost(target: str) -> dict:
+    """XLA's TPU estimate for ``target`` of the same model's decoding step at position 660 of a static cache of
+    1024 positions (``transformers.StaticCache``: every step reads the whole cache, updated in place)."""
+    import transformers
+
+    from tpucompile import driver
+
+    torch._dynamo.reset()
+    stores.clear_memory()
+    events: list = []
+    model = hf_llama_decoder()
+    compiled = torch.compile(model, backend="tpucompile", options={"cache_mode": "off", "targets": [target]})
+    cache = transformers.StaticCache(config=model.config, max_cache_len=1024)
+    length = DECODE_PROMPT + DECODE_TOKENS
+    with torch.no_grad():
+        compiled(input_ids=torch.randint(0, 1024, (DECODE_BATCH, length)), past_key_values=cache, use_cache=True,
+                 cache_position=torch.arange(length))
+        remove = driver.add_observer(functools.partial(_keep_target_events, events))
+        try:
+            compiled(input_ids=torch.randint(0, 1024, (DECODE_BATCH, 1)), past_key_values=cache, use_cache=True,
+                     cache_position=torch.tensor([length]))
+        finally:
+            remove()
+    report = events[-1].report
+    return {"mode": "static cache 1024", "graph": "decoding step", "cycles": report.get("estimated_cycles"),
+            "bytes_accessed": report.get("bytes_accessed"), "flops": report.get("flops")}
 
 
 def main() -> None:
