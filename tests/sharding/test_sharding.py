@@ -237,6 +237,31 @@ def test_graph_inputs_are_named_by_module_path():
     assert input_name("L['fn']._modules['0']._parameters['weight']") == "0.weight"
     assert input_name("L['batch']['x']") == "batch.x"
     assert input_name("weird(source)") == "weird(source)"
+    # a forward wrapped by a decorator taking *args, **kwargs (Hugging Face's): named as the forward's own
+    assert input_name("L['args'][0]._modules['model']._modules['layers']._modules['0']._parameters['weight']") == (
+        "model.layers.0.weight")
+    assert input_name("L['kwargs']['input_ids']") == "input_ids"
+    assert input_name("L['args'][1]") == "args.1"
+
+
+def test_a_hugging_face_models_inputs_are_named_by_module_path_through_its_forward_wrapper():
+    """Hugging Face wraps its models' forwards in decorators taking ``*args, **kwargs``, so Dynamo traces the
+    wrapper's frame: the parameters are still named by their path in the model and the inputs by keyword."""
+    import transformers
+
+    seen = []
+
+    def capture(gm, example_inputs):
+        seen.extend(graph_inputs(gm, example_inputs))
+        return gm.forward
+
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                      num_key_value_heads=1, intermediate_size=64)
+    torch._dynamo.reset()
+    torch.compile(transformers.LlamaForCausalLM(config), backend=capture)(input_ids=torch.randint(0, 64, (2, 5)))
+    names = {i.name for i in seen}
+    assert {"input_ids", "model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
+            "lm_head.weight"} <= names, names
 
 
 def test_an_optimiser_step_names_parameters_gradients_and_state_after_the_module():

@@ -168,21 +168,25 @@ _STEP = re.compile(
 
 def input_name(source: str) -> str:
     """``L['self']._modules['blocks']._modules['0']._parameters['weight']`` → ``blocks.0.weight`` (the path in
-    the compiled module, whatever Dynamo's frame called it); ``L['idx']`` → ``idx``. A source of another form
-    is returned as is."""
+    the compiled module, whatever Dynamo's frame called it); ``L['idx']`` → ``idx``. A forward wrapped by a
+    decorator that takes ``*args, **kwargs`` (Hugging Face's models) is traced from the wrapper's frame: the module
+    is ``L['args'][0]`` and keyword inputs are ``L['kwargs'][name]``, named as the unwrapped forward's would be
+    (``model.layers.0.self_attn.q_proj.weight``, ``input_ids``). A source of another form is returned as is."""
     root = _ROOT.match(source)
     if root is None:
         return source
     parts = [root["name"]]
     position = root.end()
-    in_module = False
+    module_root = 0
     while position < len(source):
         step = _STEP.match(source, position)
         if step is None:
             return source
-        if step["kind"] and len(parts) == 1:
-            in_module = True
+        if step["kind"] and not module_root and (len(parts) == 1 or parts == ["args", "0"]):
+            module_root = len(parts)
         parts.append(next(v for k, v in step.groupdict().items() if v is not None and k != "kind"))
         position = step.end()
-    return ".".join(parts[1:] if in_module else parts)
+    if not module_root and parts[0] == "kwargs" and len(parts) > 1:
+        module_root = 1
+    return ".".join(parts[module_root:])
 
