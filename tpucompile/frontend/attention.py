@@ -100,9 +100,7 @@ def kernel_call(node: torch.fx.Node) -> KernelCall | str:
     if examples[0].dim() != 4:
         return "it is not 4-d attention"
     heads = examples[0].shape[-3]
-    key_heads, value_heads = _ungrouped(key, heads), _ungrouped(value, heads)
-    if _example(key_heads).shape[-3] != _example(value_heads).shape[-3]:
-        key_heads, value_heads = key, value
+    key_heads, value_heads = _unrepeated(key, value, heads)
     causal = bool(bound.get("is_causal", False))
     batch, length_q, length_k = examples[0].shape[0], examples[0].shape[-2], examples[1].shape[-2]
     if mask is None:
@@ -120,6 +118,15 @@ def kernel_call(node: torch.fx.Node) -> KernelCall | str:
     if refusal is not None:
         return refusal
     return KernelCall(key_heads, value_heads, plan, float(attention_scale(examples[0], bound.get("scale"))))
+
+
+def _unrepeated(key: torch.fx.Node, value: torch.fx.Node, heads: int) -> tuple[torch.fx.Node, torch.fx.Node]:
+    """The key and value before a ``repeat_kv`` made them (``_ungrouped``) when both were repeated alike; the
+    nodes themselves otherwise."""
+    key_heads, value_heads = _ungrouped(key, heads), _ungrouped(value, heads)
+    if _example(key_heads).shape[-3] != _example(value_heads).shape[-3]:
+        return key, value
+    return key_heads, value_heads
 
 
 def _ungrouped(node: torch.fx.Node, heads: int) -> torch.fx.Node:
@@ -252,7 +259,7 @@ def grouped_key_value_nodes(node: torch.fx.Node) -> tuple[torch.fx.Node, torch.f
     if isinstance(length_k, int) and length_k < GROUPED_QUERIES_PER_KEY * length_q:
         return None
     if bound.get("enable_gqa") is not True:
-        key, value = _ungrouped(key, heads), _ungrouped(value, heads)
+        key, value = _unrepeated(key, value, heads)
     key_heads, value_heads = _example(key).shape[-3], _example(value).shape[-3]
     if not isinstance(key_heads, int) or key_heads != value_heads or key_heads >= heads or heads % key_heads:
         return None

@@ -77,9 +77,7 @@ def scaled_dot_product_attention(
     scale = attention_scale(query, scale)
     key, value = grouped_key_value(query, key, value, enable_gqa)
     scores = torch.matmul(query, key.transpose(-2, -1)) * scale
-    length_q, length_k = query.shape[-2], key.shape[-2]
-    causal = torch.ones(length_q, length_k, dtype=torch.bool, device=query.device).tril() if is_causal else None
-    return torch.matmul(_attention_weights(scores, attn_mask, dropout_p, causal), value)
+    return torch.matmul(_attention_weights(scores, attn_mask, dropout_p, is_causal), value)
 
 
 def grouped_query_attention(
@@ -102,17 +100,17 @@ def grouped_query_attention(
     key_heads, length_k = key.shape[-3], key.shape[-2]
     rows = query.reshape(*batch, key_heads, heads // key_heads * length_q, dim)
     scores = torch.matmul(rows, key.transpose(-2, -1)).reshape(*batch, heads, length_q, length_k) * scale
-    causal = torch.ones(length_q, length_k, dtype=torch.bool, device=query.device).tril() if is_causal else None
-    weights = _attention_weights(scores, attn_mask, dropout_p, causal)
+    weights = _attention_weights(scores, attn_mask, dropout_p, is_causal)
     out = torch.matmul(weights.reshape(*batch, key_heads, heads // key_heads * length_q, length_k), value)
     return out.reshape(*batch, heads, length_q, value.shape[-1])
 
 
 def _attention_weights(scores: torch.Tensor, attn_mask: torch.Tensor | None, dropout_p: float,
-                       causal: torch.Tensor | None) -> torch.Tensor:
-    """Attention's probabilities from its scaled scores: the causal band (True where a query sees a key) and
-    the mask applied, softmax over the keys, dropout."""
-    if causal is not None:
+                       is_causal: bool) -> torch.Tensor:
+    """Attention's probabilities from its scaled scores (..., queries, keys): the causal band and the mask
+    applied, softmax over the keys, dropout."""
+    if is_causal:
+        causal = torch.ones(scores.shape[-2], scores.shape[-1], dtype=torch.bool, device=scores.device).tril()
         scores = scores.masked_fill(~causal, float("-inf"))
     if attn_mask is not None:
         if attn_mask.dtype == torch.bool:

@@ -81,10 +81,8 @@ class GraphExecutable:
         """The argument slots the program takes over."""
         self.program_key: str | None = None
         """The program cache key this executable was built from, when it can be rebuilt from it alone."""
-        self._results_in_order = self._plan == [(RESULT, i) for i in range(len(self._plan))] and (
-            result_count is None or result_count == len(self.output_plan)
-        )
         self._results_per_output = _results_per_output(self._plan, result_count)
+        self._results_in_order = self._results_per_output is not None and None not in self._results_per_output
 
     def buffers(self, args: Sequence[Any], donate: bool = False) -> list[Any]:
         """Device buffers of the program's arguments, reusing those of unchanged tensors; with ``donate`` the
