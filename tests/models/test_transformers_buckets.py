@@ -146,3 +146,30 @@ def test_greedy_generation_with_a_growing_cache(build, caplog, monkeypatch, seed
     per_step = [crossed[i:i + caches] for i in range(0, len(crossed), caches)]
     assert all(len(set(step)) == 1 for step in per_step), per_step  # all of a step's caches, or none
     assert [step[0] for step in per_step].count(False) <= 3, per_step
+
+
+def test_decoding_steps_taken_back_from_the_cache(seeded):
+    """A step decoded and then taken back (``DynamicCache.crop``, as assisted decoding does with a rejected
+    draft) leaves the cache a slice of a longer buffer, whose stride Dynamo then traces as a size of its own:
+    the decoding graph is rolled (its layers' shapes are fixed) while the program still has that runtime
+    size. It compiled with an error ("a rolled loop in a program with runtime sizes") before; the logits
+    equal eager's."""
+    model = _llama().eval()
+    compiled = torch.compile(model, backend="tpucompile", options=BUCKETED)
+    prompt = torch.randint(0, model.config.vocab_size, (2, 10))
+    token = torch.randint(0, model.config.vocab_size, (2, 1))
+
+    def taken_back(net) -> list[torch.Tensor]:
+        torch._dynamo.mark_dynamic(prompt, 1)
+        cache = net(input_ids=prompt, use_cache=True).past_key_values
+        logits = []
+        for _ in range(3):
+            logits.append(net(input_ids=token, past_key_values=cache, use_cache=True).logits)
+            cache.crop(-1)
+        return logits
+
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=FutureWarning)  # transformers renames past_key_values
+        expected = taken_back(model)
+        got = taken_back(compiled)
+    assert_close_tree(got, expected, atol=1e-5, rtol=1e-5)

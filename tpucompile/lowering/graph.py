@@ -23,6 +23,7 @@ from typing import Any
 import sympy
 import torch
 import torch.fx
+import torch.utils._pytree as pytree
 from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import func
 from torch._subclasses.fake_tensor import unset_fake_temporarily
@@ -309,6 +310,19 @@ class _GraphLowering:
 
         return unmerged.OnPadding(drop, mark, self.runtime)
 
+    def _runtime_sized(self, node: torch.fx.Node) -> bool:
+        """Whether a value ``node`` reads or makes has a runtime-sized dimension, or a size argument is
+        runtime: a rolled loop is lowered for fixed shapes, though the program around it may have runtime
+        sizes of its own (a symbolic stride of an argument the loop never reads)."""
+        values = [node.meta.get("val")]
+        torch.fx.node.map_arg((node.args, node.kwargs), lambda n: values.append(n.meta.get("val")))
+        for value in pytree.tree_leaves(values):
+            if isinstance(value, torch.Tensor) and dynamic_sizes.symbolic_dims(value, self.runtime):
+                return True
+            if isinstance(value, torch.SymInt) and sympy.sympify(value.node.expr).free_symbols & self.runtime:
+                return True
+        return False
+
     def _marked(self, val: Any, value: Any) -> Any:
         """``value`` with its runtime-sized dimensions marked (``dynamic_sizes``), element-wise for the results
         of an op with several."""
@@ -415,8 +429,8 @@ class _GraphLowering:
         if val is not None and not isinstance(val, (torch.Tensor, list, tuple)):
             return self.bindings.resolve(val)  # SymInt arithmetic: a constant of this specialisation
         if is_loop(node):
-            if self.sizes is not None:
-                raise UnsupportedOpError(f"a rolled loop in a program with runtime sizes: "
+            if self.sizes is not None and self._runtime_sized(node):
+                raise UnsupportedOpError(f"a rolled loop over runtime-sized values: "
                                          f"{diagnostics.describe_node(node)}")
             self.repeated_flops += loops.repeated_flops(node)
             with _location(node):
