@@ -22,14 +22,17 @@ Workloads (a 2-layer Llama, ``examples/llama.py``, dim 256, random weights, batc
   grows from 600 to 660: bucket 1024), each step passing back the cache the previous one returned (every one
   a new size: the per-size backend compiles each). The backends decode side by side in one process, 5 steps
   each in turn, so that this machine's drift falls on all alike; steady: the median step after the first 10
-  of each. ``tpucompile-bucket-repad`` is the bucketed backend with ``bucket_reuse_padded_results=False``.
+  of each. ``tpucompile-bucket-repad`` is the bucketed backend with ``bucket_reuse_padded_results=False``;
+  ``tpucompile-bucket-quarters`` (not run unless named) takes four buckets an octave (``QUARTER_OCTAVES``).
 Each backend starts with Dynamo reset, tpucompile's in-process caches cleared and its persistent cache off, so
 every executable counts as a compile; Inductor's cache is a new directory per run. Steady-state figures are
 taken once tpucompile's background host-kernel checks are decided.
 The sequence dimension is marked dynamic from the first call, as ``torch._dynamo.mark_dynamic`` does.
 Steady state: the median of 30 calls at one length (100, bucket 128) after the sweep, against the same
-backend's exact-size executable where it has one. Then XLA's TPU estimate of the same programs at length 100
-(``--tpu-target``, compiled here with libtpu): the measure that counts, since the CPU is where we test.
+backend's exact-size executable where it has one; then the same at length 128 (the forward workloads' "at
+128" column), where the exact-size program shows what padding 100 rows to 128 costs by itself. Then XLA's
+TPU estimate of the same programs at length 100 (``--tpu-target``, compiled here with libtpu): the measure
+that counts, since the CPU is where we test.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -54,11 +58,17 @@ from tpucompile.artifacts import stores
 from tpucompile.driver import host_kernel_upgrades
 from tpucompile.metrics import compile_stats as stats
 
+QUARTER_OCTAVES = (16, 20, 24, 28, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+"""A finer ladder than the default powers of two: four buckets an octave, so a size is padded by at most a
+quarter of its octave (100 -> 112 rather than 128), at the price of more compiles."""
+
 BACKENDS = {
     "tpucompile-exact": dict(backend="tpucompile", options={"dynamic_mode": "exact", "cache_mode": "off"}),
     "tpucompile-bucket": dict(backend="tpucompile", options={"dynamic_mode": "bucket", "cache_mode": "off"}),
     "tpucompile-bucket-repad": dict(backend="tpucompile", options={
         "dynamic_mode": "bucket", "cache_mode": "off", "bucket_reuse_padded_results": False}),
+    "tpucompile-bucket-quarters": dict(backend="tpucompile", options={
+        "dynamic_mode": "bucket", "cache_mode": "off", "buckets": QUARTER_OCTAVES}),
     "inductor-dynamic": dict(backend="inductor", dynamic=True),
     "eager": None,
 }
@@ -69,6 +79,10 @@ LENGTHS = {
 }
 BATCH = 2
 STEADY_LENGTH = 100
+STEADY_BUCKET = 128
+"""The default bucket of ``STEADY_LENGTH``: each backend's step is also timed at this length, every row used,
+so that the padding's own cost (the exact-size program at 128 against 100) is measured beside the bucketed
+step: no program padded to the bucket can beat it by padding alone."""
 
 
 def model() -> Llama:
@@ -98,21 +112,36 @@ def _compiles(backend: str) -> int | None:
 
 def _settled(call) -> None:
     """Run ``call`` until the host-kernel checks of its programs are decided (compiled in the background, then
-    timed on its calls), so that steady-state figures time the programs that stay."""
+    timed on its calls), so that steady-state figures time the programs that stay. The first call compiles
+    where the size is new, which is what schedules its check, so the wait comes after it."""
+    call()
     host_kernel_upgrades.wait()
     for _ in range(host_kernel_upgrades.TRIAL_CALLS + 3):
         call()
 
 
-def _steady_ms(step, length: int) -> float:
-    tokens = _tokens(length)
-    _settled(lambda: step(tokens))
-    times = []
-    for _ in range(30):
-        start = time.perf_counter()
-        step(tokens)
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
+def steady_in_turns(calls: dict[str, dict[str, Callable[[], None]]]) -> dict[str, dict[str, float]]:
+    """Each backend's median time of each of its calls (30 each), taken in turns of three calls per backend
+    and call, so that this machine's drift (10-20% between one backend's minute and the next's) falls on
+    every figure alike. A call's ``after`` attribute, if any, runs untimed after each (a cache cut back). A
+    backend whose graph Dynamo dropped since its own pass (each pass starts with Dynamo reset) traces and
+    compiles again while it settles, before any timing."""
+    for timed in calls.values():
+        for call in timed.values():
+            _settled(lambda call=call: (call(), getattr(call, "after", lambda: None)()))
+    times = {(backend, name): [] for backend, timed in calls.items() for name in timed}
+    for _ in range(10):
+        for backend, timed in calls.items():
+            for name, call in timed.items():
+                after = getattr(call, "after", None)
+                for _ in range(3):
+                    start = time.perf_counter()
+                    call()
+                    times[backend, name].append(time.perf_counter() - start)
+                    if after is not None:
+                        after()
+    return {backend: {name: 1e3 * statistics.median(times[backend, name]) for name in timed}
+            for backend, timed in calls.items()}
 
 
 def hf_llama() -> torch.nn.Module:
@@ -219,47 +248,45 @@ def _serve_static(compiled, model: torch.nn.Module, prompt: torch.Tensor, tokens
     return torch.cat(generated, 1)
 
 
-def _steady_static_decode_ms(compiled, model: torch.nn.Module) -> float:
-    """Median time of one decoding step at static-cache position ``STEADY_LENGTH``."""
+def _static_decode_call(compiled, model: torch.nn.Module) -> Callable[[], None]:
+    """One decoding step at static-cache position ``STEADY_LENGTH``, the cache filled by a prompt first."""
     import transformers
 
     with torch.no_grad():
         cache = transformers.StaticCache(config=model.config, max_cache_len=SERVE_CACHE)
         compiled(input_ids=_tokens(STEADY_LENGTH), past_key_values=cache, use_cache=True,
                  cache_position=torch.arange(STEADY_LENGTH))
-        token, position = torch.randint(0, 1024, (BATCH, 1)), torch.tensor([STEADY_LENGTH])
-        _settled(lambda: compiled(input_ids=token, past_key_values=cache, use_cache=True, cache_position=position))
-        times = []
-        for attempt in range(33):
-            start = time.perf_counter()
+    token, position = torch.randint(0, 1024, (BATCH, 1)), torch.tensor([STEADY_LENGTH])
+
+    def decode() -> None:
+        with torch.no_grad():
             compiled(input_ids=token, past_key_values=cache, use_cache=True, cache_position=position)
-            if attempt >= 3:
-                times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
+
+    return decode
 
 
-def _steady_decode_ms(compiled, length: int) -> float:
-    """Median time of one decoding step at cache length ``length`` (the cache cut back after each)."""
+def _dynamic_decode_call(compiled, length: int) -> Callable[[], None]:
+    """One decoding step at cache length ``length``, the cache cut back to it after each step (untimed)."""
     with torch.no_grad():
         cache = compiled(input_ids=_tokens(length), use_cache=True).past_key_values
-        token = torch.randint(0, 1024, (BATCH, 1))
+    token = torch.randint(0, 1024, (BATCH, 1))
 
-        def decode() -> None:
+    def decode() -> None:
+        with torch.no_grad():
             compiled(input_ids=token, past_key_values=cache, use_cache=True)
-            cache.crop(-1)
 
-        _settled(decode)
-        times = []
-        for attempt in range(33):
-            start = time.perf_counter()
-            compiled(input_ids=token, past_key_values=cache, use_cache=True)
-            if attempt >= 3:
-                times.append(time.perf_counter() - start)
-            cache.crop(-1)  # back to the prompt's length
-    return 1e3 * statistics.median(times)
+    def cut_back() -> None:
+        cache.crop(-1)
+
+    decode.after = cut_back  # type: ignore[attr-defined]
+    return decode
 
 
-def run(workload: str, backend: str) -> dict:
+def run(workload: str, backend: str) -> tuple[dict, dict[str, Callable[[], None]]]:
+    """One backend's pass over a workload: its row (total seconds, compiles) and the calls whose steady time
+    ``steady_in_turns`` takes beside the other backends': ``steady_ms`` (length ``STEADY_LENGTH``, or a
+    decoding step at that cache length) and, for the forward and training workloads, ``steady_at_bucket_ms``
+    (length ``STEADY_BUCKET``)."""
     torch._dynamo.reset()
     stores.clear_memory()  # no executable of an earlier workload or backend is reused
     stats.reset()
@@ -270,8 +297,8 @@ def run(workload: str, backend: str) -> dict:
             _generate_with_cache(compiled, torch.randint(0, 1024, (BATCH, 8)), 64)
         total = time.perf_counter() - start
         compiles = _compiles(backend)
-        return {"workload": workload, "backend": backend, "total_s": round(total, 2), "compiles": compiles,
-                "steady_ms": round(_steady_decode_ms(compiled, STEADY_LENGTH), 2)}
+        return ({"workload": workload, "backend": backend, "total_s": round(total, 2), "compiles": compiles},
+                {"steady_ms": _dynamic_decode_call(compiled, STEADY_LENGTH)})
     if workload == "serve-static":
         net = hf_llama()
         compiled = _compiled(net, backend)
@@ -281,8 +308,8 @@ def run(workload: str, backend: str) -> dict:
                 _serve_static(compiled, net, _tokens(length), 16)
         total = time.perf_counter() - start
         compiles = _compiles(backend)
-        return {"workload": workload, "backend": backend, "total_s": round(total, 2), "compiles": compiles,
-                "steady_ms": round(_steady_static_decode_ms(compiled, net), 2)}
+        return ({"workload": workload, "backend": backend, "total_s": round(total, 2), "compiles": compiles},
+                {"steady_ms": _static_decode_call(compiled, net)})
     net = hf_bert() if workload == "bert" else model()
     compiled = _compiled(net, backend)
     if workload == "train":
@@ -311,9 +338,9 @@ def run(workload: str, backend: str) -> dict:
             step(_tokens(length))
     total = time.perf_counter() - start
     compiles = _compiles(backend)
-    steady = _steady_ms(step, STEADY_LENGTH)
-    return {"workload": workload, "backend": backend, "total_s": round(total, 2), "compiles": compiles,
-            "steady_ms": round(steady, 2)}
+    row = {"workload": workload, "backend": backend, "total_s": round(total, 2), "compiles": compiles}
+    steady, at_bucket = _tokens(STEADY_LENGTH), _tokens(STEADY_BUCKET)
+    return row, {"steady_ms": lambda: step(steady), "steady_at_bucket_ms": lambda: step(at_bucket)}
 
 
 def _keep_target_events(events: list, event: object) -> None:
@@ -430,7 +457,8 @@ def _tpu_static_decode_cost(target: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workloads", default="sweep15,sweep50,train,generate,generate-cache,serve-static,bert")
-    parser.add_argument("--backends", default=",".join(b for b in BACKENDS if b != "tpucompile-bucket-repad"))
+    parser.add_argument("--backends", default=",".join(
+        b for b in BACKENDS if b not in ("tpucompile-bucket-repad", "tpucompile-bucket-quarters")))
     parser.add_argument("--json", help="write the rows to this file")
     parser.add_argument("--tpu-target", default="tpu:v5e:1x1",
                         help="also report XLA's TPU estimate for this target at length 100 ('' to skip)")
@@ -444,12 +472,20 @@ def main() -> None:
                 rows.append(row)
                 print(json.dumps(row), flush=True)
             continue
+        calls, workload_rows = {}, []
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 16 * len(BACKENDS))
         for backend in args.backends.split(","):
-            row = run(workload, backend)
+            row, calls[backend] = run(workload, backend)
+            workload_rows.append(row)
+        steady = steady_in_turns(calls)
+        for row in workload_rows:
+            row.update({name: round(ms, 2) for name, ms in steady[row["backend"]].items()})
+        for row in workload_rows:
             rows.append(row)
             print(json.dumps(row), flush=True)
     print()
-    print(f"{'workload':10} {'backend':18} {'compiles':>8} {'total s':>8} {'steady ms':>9}  ratios in the workload")
+    print(f"{'workload':10} {'backend':26} {'compiles':>8} {'total s':>8} {'steady ms':>9} "
+          f"{f'at {STEADY_BUCKET} ms':>9}  ratios in the workload")
     for row in rows:
         same = {r["backend"]: r for r in rows if r["workload"] == row["workload"]}
         exact = same.get("tpucompile-exact")
@@ -457,9 +493,14 @@ def main() -> None:
         if exact is not None and row["backend"] != "tpucompile-exact":
             ratios = (f"total {row['total_s'] / exact['total_s']:.2f}x of exact, "
                       f"step {row['steady_ms'] / exact['steady_ms']:.2f}x of exact")
+        elif exact is not None and exact.get("steady_at_bucket_ms"):
+            ratios = (f"the padding's own cost: exact at {STEADY_BUCKET} is "
+                      f"{exact['steady_at_bucket_ms'] / exact['steady_ms']:.2f}x of exact at {STEADY_LENGTH}")
         compiles = "-" if row["compiles"] is None else row["compiles"]
-        print(f"{row['workload']:10} {row['backend']:18} {compiles:>8} {row['total_s']:>8.2f} "
-              f"{row['steady_ms']:>9.2f}  {ratios}")
+        at_bucket = row.get("steady_at_bucket_ms")
+        at_bucket = "-" if at_bucket is None else f"{at_bucket:.2f}"
+        print(f"{row['workload']:10} {row['backend']:26} {compiles:>8} {row['total_s']:>8.2f} "
+              f"{row['steady_ms']:>9.2f} {at_bucket:>9}  {ratios}")
     costs = tpu_costs(args.tpu_target) if args.tpu_target else []
     if args.tpu_target and "decode" in args.workloads.split(","):
         costs += tpu_decode_costs(args.tpu_target)
