@@ -89,6 +89,12 @@ class Options:
     program returned them, instead of cutting each to its actual size (a copy) for the backward to pad again
     (another); the backward's program ignores the padding (``contracts/saved_handoff``)."""
 
+    bucket_saved_unmerged: bool = True
+    """A bucketed training forward hands a saved view that merges the padded length into the rows of a matrix
+    (a linear layer's input, ``(b, s, k) -> (b*s, k)``, saved for the weight's gradient) over as the value it
+    views, merged again in the backward, instead of the view, which XLA's padder writes out with the actual
+    rows packed to the front (a gather per saved value). Applies with ``saved_transposes_as_bases``."""
+
     bucket_staged_inputs: bool = True
     """On the CPU, a bucketed call writes each padded input into one tensor per bucket and input, imported
     into PJRT once, instead of padding a new tensor that is imported on every call (``runtime/staged_inputs``):

@@ -374,7 +374,8 @@ def test_views_and_lookups_stay_on_buckets(op, caplog, seeded):
     assert not _per_size_compiles(caplog) and not _bucket_compiles(caplog)
 
 
-@pytest.mark.parametrize("switches", [{}, {"bucket_unmerged_products": False}], ids=["default", "merged-views"])
+@pytest.mark.parametrize("switches", [{}, {"bucket_unmerged_products": False}, {"bucket_saved_unmerged": False}],
+                         ids=["default", "merged-views", "saved-merged-views"])
 def test_llama_training_on_buckets(switches, caplog, seeded):
     from llama import Llama, LlamaConfig
 
@@ -424,6 +425,34 @@ def test_products_of_merged_views_take_the_unmerged_tensor(unmerged, seeded):
     assert len(products) == 1
     assert ("tensor<2x16x8xf32>" in products[0]) == unmerged
     assert ("tensor<32x8xf32>" in products[0]) == (not unmerged)
+
+
+@pytest.mark.parametrize("unmerged", [True, False], ids=["base", "merged-view"])
+def test_a_saved_merged_view_crosses_as_its_base(unmerged, seeded):
+    """A linear on (2, s, 8) saves its input merged, (2 * s, 8), for the weight's gradient. A bucketed forward
+    hands over the (2, s, 8) value itself, padded to its bucket, and the backward merges it again; with the
+    switch off it hands over the merged view, whose actual rows XLA's padder packs first (a gather at the end
+    of the forward). Gradients equal eager's either way, at two sizes of one bucket."""
+    events = []
+    remove = driver.add_observer(events.append)
+    try:
+        weight, scale = torch.randn(6, 8, requires_grad=True), torch.randn(8, requires_grad=True)
+        # the scaled value is saved for the weight's gradient only, as the product's merged operand
+        f = lambda x: torch.nn.functional.linear(x.sin() * scale, weight).sin().sum()  # noqa: E731
+        compiled = torch.compile(f, backend="tpucompile", options={
+            **BUCKETED, "cache_mode": "off", "bucket_saved_unmerged": unmerged})
+        for n in (5, 7):
+            x = torch.randn(2, n, 8, requires_grad=True)
+            torch._dynamo.mark_dynamic(x, 1)
+            got = torch.autograd.grad(compiled(x), (x, weight, scale))
+            expected = torch.autograd.grad(f(x), (x, weight, scale))
+            assert_close_tree(got, expected)
+    finally:
+        remove()
+    forward = next(e for e in events if e.name.endswith("(forward)"))
+    saved = [tuple(spec.shape) for spec in forward.program.result_specs]
+    assert ((2, 16, 8) in saved) == unmerged, saved
+    assert ((32, 8) in saved) == (not unmerged), saved
 
 
 @pytest.mark.parametrize("on_padding", [True, False], ids=["whole-bucket", "packed"])

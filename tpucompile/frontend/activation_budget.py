@@ -218,7 +218,8 @@ def fitting_partition(config: Options, trial: LoopBodyTrial = FIRST_TRIAL) -> Ca
             forward, backward, choice = _search(
                 split, hbm, lambda: mark_block_boundaries(joint_module, kwargs["num_fwd_outputs"]))
         if config.saved_transposes_as_bases:
-            save_bases_of_transposes(forward, backward, kwargs["num_fwd_outputs"])
+            save_bases_of_transposes(forward, backward, kwargs["num_fwd_outputs"], runtime_merges=(
+                config.dynamic_mode == "bucket" and config.bucket_saved_unmerged))
         forward.meta[BUDGET_KEY] = backward.meta[BUDGET_KEY] = choice.as_dict()
         return forward, backward
 

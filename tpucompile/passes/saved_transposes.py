@@ -1,4 +1,5 @@
-"""A transposed view saved for the backward is handed over as its base, and transposed again in the backward.
+"""A transposed view saved for the backward is handed over as its base, and transposed again in the backward;
+in a bucketed program, so is a view that merges a runtime-sized dimension into the rows of a matrix.
 
 The min-cut partition may save a transposed view of a forward value instead of the value: the weight gradient
 of ``x @ w`` is ``x.t() @ grad``, and the ``t`` node depends on forward values only, so the partition is free
@@ -7,12 +8,19 @@ as a transposing copy at the end of the forward (a GPT-2 forward of 1B parameter
 of its blocks' inputs, 14M estimated cycles). Handing over the base costs no copy, and the view at the top of
 the backward becomes the product's dimension numbers there, as in a program that holds forward and backward
 together.
+
+A linear layer's input ``(b, s, k)`` is saved as its merged view ``(b*s, k)``, the operand of the weight's
+gradient. With ``s`` padded to a bucket, XLA's padder writes that view out with the actual rows packed to the
+front (a gather over the whole value at the end of the forward), and the backward's product unpacks nothing
+it needs: its operand may as well be the padded base, merged again in the backward, where the bucketed
+lowering takes the merge as it is (``lowering/unmerged``).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 aten = torch.ops.aten
 
@@ -26,12 +34,17 @@ elementwise op) would need the data in the view's order, and XLA would write the
 backward instead of the forward."""
 
 
+MERGING_VIEWS = frozenset({aten.view.default, aten._unsafe_view.default, aten.reshape.default})
+"""Views that may merge a value's leading dimensions into the rows of a matrix."""
+
+
 def save_bases_of_transposes(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule,
-                             num_forward_outputs: int) -> int:
+                             num_forward_outputs: int, runtime_merges: bool = False) -> int:
     """Rewrite a partition in place: each saved output of ``forward`` that is a transposing view (or a chain of
-    them) which only matrix products read in the backward is replaced by the value it views, or dropped where
-    that value is saved already, and the backward takes the views of the value's placeholder. A view of a
-    graph input, or of a value the forward also returns to its caller, stays. Returns how many saved values
+    them; with ``runtime_merges``, also views that merge a value's leading dimensions, one of them symbolic,
+    into rows) which only matrix products read in the backward is replaced by the value it views, or dropped
+    where that value is saved already, and the backward takes the views of the value's placeholder. A view of
+    a graph input, or of a value the forward also returns to its caller, stays. Returns how many saved values
     changed."""
     output = forward.graph.output_node()
     outputs = list(output.args[0])
@@ -43,7 +56,7 @@ def save_bases_of_transposes(forward: torch.fx.GraphModule, backward: torch.fx.G
         return 0
     kept, changed = list(outputs[:num_forward_outputs]), 0
     for view in outputs[num_forward_outputs:]:
-        base, views = _transposed_base(view)
+        base, views = _transposed_base(view, runtime_merges)
         placeholder = backward_nodes.get(view.name) if base is not None else None
         if (placeholder is None or placeholder.op != "placeholder" or base in returned
                 or not all(reader.target in PRODUCTS for reader in placeholder.users)):
@@ -75,7 +88,8 @@ def save_bases_of_transposes(forward: torch.fx.GraphModule, backward: torch.fx.G
     if not changed:
         return 0
     output.args = (tuple(kept), *output.args[1:])
-    for view in reversed([node for node in forward.graph.nodes if node.target in TRANSPOSING_VIEWS]):
+    for view in reversed([node for node in forward.graph.nodes
+                          if node.target in TRANSPOSING_VIEWS or node.target in MERGING_VIEWS]):
         if not view.users:
             forward.graph.erase_node(view)
     forward.recompile()
@@ -83,11 +97,13 @@ def save_bases_of_transposes(forward: torch.fx.GraphModule, backward: torch.fx.G
     return changed
 
 
-def _transposed_base(node: object) -> tuple[torch.fx.Node | None, list[torch.fx.Node]]:
-    """The value ``node`` transposes through one or more transposing views of one dtype, and those views from
-    the value out; (None, []) when ``node`` is no such view."""
+def _transposed_base(node: object, runtime_merges: bool = False) -> tuple[torch.fx.Node | None, list[torch.fx.Node]]:
+    """The value ``node`` transposes (or, with ``runtime_merges``, merges into rows: ``_merges_runtime_rows``)
+    through one or more views of one dtype, and those views from the value out; (None, []) when ``node`` is
+    no such view."""
     views = []
-    while (isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in TRANSPOSING_VIEWS
+    while (isinstance(node, torch.fx.Node) and node.op == "call_function"
+           and (node.target in TRANSPOSING_VIEWS or (runtime_merges and _merges_runtime_rows(node)))
            and isinstance(node.args[0], torch.fx.Node)
            and not node.meta.get("saved_tensor_with_no_vc_check", False)):  # AOTAutograd keeps these last
         value, base_value = node.meta.get("val"), node.args[0].meta.get("val")
@@ -97,6 +113,19 @@ def _transposed_base(node: object) -> tuple[torch.fx.Node | None, list[torch.fx.
         views.append(node)
         node = node.args[0]
     return (node, views[::-1]) if views else (None, [])
+
+
+def _merges_runtime_rows(node: torch.fx.Node) -> bool:
+    """Whether ``node`` views a contiguous value of shape ``(d0, ..., dn, k)`` as ``(d0 * ... * dn, k)`` with a
+    symbolic row count: the view the backward can take again as ``view(-1, k)`` of the value's placeholder."""
+    if node.target not in MERGING_VIEWS or not isinstance(node.args[0], torch.fx.Node):
+        return False
+    value, base = node.meta.get("val"), node.args[0].meta.get("val")
+    if not isinstance(value, torch.Tensor) or not isinstance(base, torch.Tensor) or value.dim() != 2 or (
+            base.dim() < 3 or not isinstance(base.shape[-1], int) or value.shape[1] != base.shape[-1]):
+        return False
+    rows = value.shape[0]
+    return isinstance(rows, torch.SymInt) and statically_known_true(base.is_contiguous())
 
 
 def _rename_to_base(placeholder: torch.fx.Node, base: torch.fx.Node) -> None:
@@ -112,7 +141,10 @@ def _views_of(backward: torch.fx.GraphModule, base: torch.fx.Node, views: list[t
     value, made = base, set()
     with backward.graph.inserting_before(before):
         for view in views:
-            value = backward.graph.call_function(view.target, (value, *view.args[1:]), dict(view.kwargs))
+            if view.target in MERGING_VIEWS:  # its sizes are the forward's: the rows are inferred again here
+                value = backward.graph.call_function(aten.view.default, (value, [-1, view.meta["val"].shape[1]]))
+            else:
+                value = backward.graph.call_function(view.target, (value, *view.args[1:]), dict(view.kwargs))
             value.meta = {key: meta for key, meta in view.meta.items() if key in _VALUE_META}
             made.add(value)
     readers_of.replace_all_uses_with(value, delete_user_cb=lambda user: user not in made)
