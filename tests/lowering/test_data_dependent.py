@@ -112,3 +112,17 @@ def test_data_dependent_ops_are_compiled_not_run_eagerly(caplog):
     # the padded nonzero and the mean after it (new ones by identity: the record keeps the last 64, so a count
     # stops growing once the session has made that many)
     assert len([e for e in driver.recent_executables() if all(e is not old for old in before)]) >= 2
+
+
+@pytest.mark.parametrize("fn", [
+    lambda x: (torch.nonzero(x > 0.3), torch.argwhere(x), torch.masked_select(x, x < -0.2)),
+    lambda x: torch.unique(x.round(), return_inverse=True, return_counts=True),
+    lambda x: torch.unique_consecutive(x.round(), return_inverse=True, return_counts=True, dim=0),
+], ids=["nonzero-masked-select", "unique", "unique-consecutive"])
+def test_data_dependent_sizes_under_buckets(fn):
+    """With ``dynamic_mode="bucket"``, a region that takes a value of data-dependent size (a ``nonzero``'s rows)
+    is bucketed over that size, and Dynamo's assertion on it (``u1 <= 24``) depends on the call: it is checked
+    on each call's sizes, not decided at the bucket's (where it failed: 32 rows are more than 24)."""
+    x = torch.randn(4, 6)
+    x[1] = 0.0
+    assert_compiles_like_eager(fn, x, dynamic_mode="bucket")

@@ -132,3 +132,21 @@ def shape_at(meta: torch.Tensor, values: Mapping[sympy.Symbol, int]) -> tuple[in
     """``meta``'s shape with its symbols at ``values``."""
     return tuple(evaluate(sympy.sympify(s.node.expr), values) if isinstance(s, torch.SymInt) else int(s)
                  for s in meta.shape)
+
+
+def runtime_size_assertion(node: Any, runtime: frozenset[sympy.Symbol]) -> tuple[sympy.Expr, str] | None:
+    """(condition, message) of a size assertion Dynamo put in a graph (``aten._assert_scalar``: ``u1 <= 24``
+    after a ``masked_select``) whose condition depends on a runtime symbol, else None. A bucketed program is
+    lowered for the bucket's sizes, where such a condition says nothing of the call's, so the runtime checks
+    it per call instead, against the call's values."""
+    if getattr(node, "op", None) != "call_function" or node.target is not torch.ops.aten._assert_scalar.default:
+        return None
+    condition = node.args[0]
+    value = condition.meta.get("val") if hasattr(condition, "meta") else condition
+    if not isinstance(value, torch.SymBool):
+        return None
+    expr = sympy.sympify(value.node.expr)
+    if not expr.free_symbols & runtime:
+        return None
+    message = node.args[1] if len(node.args) > 1 else f"size assertion {expr} failed"
+    return expr, str(message)

@@ -32,6 +32,7 @@ from tpucompile import diagnostics
 from tpucompile.contracts.calling_convention import SEED_POSITION, OutputSlot
 from tpucompile.contracts.donation_marks import DONATABLE, SAVED, UPDATED, kind_of
 from tpucompile.contracts.loop_ops import is_loop
+from tpucompile.contracts.size_expressions import runtime_size_assertion
 from tpucompile.errors import LoweringError, TpuCompileError, UnsupportedOpError
 from tpucompile.lowering import (
     builder,
@@ -426,6 +427,8 @@ class _GraphLowering:
         val = node.meta.get("val")
         if node.target is operator.getitem:
             return self.env[node.args[0]][node.args[1]]
+        if self.sizes is not None and runtime_size_assertion(node, self.runtime) is not None:
+            return None  # the bucketed graph checks it on every call's sizes (``runtime/buckets``)
         if val is not None and not isinstance(val, (torch.Tensor, list, tuple)):
             return self.bindings.resolve(val)  # SymInt arithmetic: a constant of this specialisation
         if is_loop(node):

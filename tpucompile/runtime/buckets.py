@@ -28,6 +28,7 @@ from tpucompile.contracts.size_expressions import (
     SIZE_DTYPE,
     evaluate,
     read_symbols,
+    runtime_size_assertion,
     runtime_symbols,
     shape_at,
     symbol_sources,
@@ -152,6 +153,9 @@ class BucketedGraph:
             for index in extending:
                 self._result_slots[index].always_noted = True
         self._views = input_views(gm)
+        self._assertions = [found for node in gm.graph.nodes
+                            if (found := runtime_size_assertion(node, runtime)) is not None]
+        """Size assertions on runtime symbols (``u1 <= 24``), which the program's lowering leaves to the call."""
         self._entries: collections.OrderedDict[Bucket, _BucketEntry] = collections.OrderedDict()
         self._calls: dict[tuple[Any, ...], _Call] = {}
         """Per set of argument sizes seen, what a call with them runs (``_prepare``)."""
@@ -305,6 +309,10 @@ class BucketedGraph:
         new), the size arguments, and later the shapes their results are cut to."""
         values = read_symbols(self._sources, full)
         self._check(full, values)
+        for condition, message in self._assertions:
+            decided = condition.xreplace({s: sympy.Integer(v) for s, v in values.items()})
+            if not decided.free_symbols and not bool(decided):
+                raise RuntimeError(message)
         bucket = self.bucket_of(values)
         entry = self._entries.get(bucket)
         if entry is None:
