@@ -512,7 +512,9 @@ def _entry_results(executable) -> str:
 
 def _train_saves_inner_padded(in_place: bool) -> list:
     """Two training steps of ``_SavesInnerPadded`` on buckets (sizes 5 and 11: one bucket), compiled for this
-    machine and a TPU target, output and every gradient checked against eager; the compile events."""
+    machine and a TPU target, output and every gradient checked against eager; the compile events. Saved merged
+    views cross as they are (``bucket_saved_unmerged`` off), so that XLA's packing of them is counted alike on
+    both sides of the switch these figures compare."""
     block = _SavesInnerPadded()
     eager = copy.deepcopy(block)
     events = []
@@ -520,7 +522,8 @@ def _train_saves_inner_padded(in_place: bool) -> list:
     try:
         compiled = torch.compile(block, backend="tpucompile",
                                  options={**BUCKETED, "cache_mode": "off", "targets": ["tpu:v5e:1x1"],
-                                          "bucket_fixed_shapes_in_place": in_place})
+                                          "bucket_fixed_shapes_in_place": in_place,
+                                          "bucket_saved_unmerged": False})
         for n in (5, 11):
             x = torch.randn(2, n, 6, requires_grad=True)
             torch._dynamo.mark_dynamic(x, 1)
@@ -582,9 +585,11 @@ def test_values_saved_for_a_bucketed_backward_stay_padded(padded, seeded):
         y = x.detach().clone().requires_grad_()
         got, expected = compiled(x), eager(y)
         rows, merged = (16, 32) if padded else (n, 2 * n)
-        # the weights, the input's merged view (remade from the input), then the activations
+        # the weights, the input's merged view (remade from the input), then the activations: the first
+        # linear's result merged, the second's operand as the value its merged view views
+        # (``bucket_saved_unmerged``), the norm's values
         assert sorted(tuple(t.shape) for t in got.grad_fn.saved_tensors) == sorted([
-            (12, 6), (6, 12), (6,), (2 * n, 6), (merged, 12), (merged, 12), (2, rows, 6), (2, rows, 6),
+            (12, 6), (6, 12), (6,), (2 * n, 6), (merged, 12), (2, rows, 12), (2, rows, 6), (2, rows, 6),
             (2, rows, 1), (2, rows, 1), (2, 1, 6)])
         assert_close_tree(got, expected)
         (got * got).sum().backward()
