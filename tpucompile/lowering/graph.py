@@ -315,14 +315,9 @@ class _GraphLowering:
         """Whether a value ``node`` reads or makes has a runtime-sized dimension, or a size argument is
         runtime: a rolled loop is lowered for fixed shapes, though the program around it may have runtime
         sizes of its own (a symbolic stride of an argument the loop never reads)."""
-        values = [node.meta.get("val")]
-        torch.fx.node.map_arg((node.args, node.kwargs), lambda n: values.append(n.meta.get("val")))
-        for value in pytree.tree_leaves(values):
-            if isinstance(value, torch.Tensor) and dynamic_sizes.symbolic_dims(value, self.runtime):
-                return True
-            if isinstance(value, torch.SymInt) and sympy.sympify(value.node.expr).free_symbols & self.runtime:
-                return True
-        return False
+        made = (v for v in pytree.tree_leaves(node.meta.get("val")) if isinstance(v, torch.Tensor))
+        return (padding_safety.takes_runtime_sizes(node, self.runtime)
+                or any(dynamic_sizes.symbolic_dims(v, self.runtime) for v in made))
 
     def _marked(self, val: Any, value: Any) -> Any:
         """``value`` with its runtime-sized dimensions marked (``dynamic_sizes``), element-wise for the results

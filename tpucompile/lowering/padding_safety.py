@@ -323,6 +323,12 @@ def _runtime_numbers_reason(node: torch.fx.Node, runtime: frozenset[sympy.Symbol
     return None
 
 
+def takes_runtime_sizes(node: torch.fx.Node, runtime: frozenset[sympy.Symbol]) -> bool:
+    """Whether ``node`` takes a tensor with a runtime-sized dimension or a number that depends on a runtime
+    symbol."""
+    return any(_dynamic_dims(t, runtime) for t in _tensor_operands(node)) or bool(_runtime_numbers(node, runtime))
+
+
 def inexact_reason(node: torch.fx.Node, runtime: frozenset[sympy.Symbol]) -> str | None:
     """Why ``node`` would not be exact with its runtime-sized dimensions padded, or None when it would."""
     if node.op != "call_function" or node.target is operator.getitem:
