@@ -134,8 +134,10 @@ def test_batchnorm_train_mode_updates_running_stats():
 
 
 def test_dynamic_shapes_compile_once_per_shape_and_log_reason(caplog):
+    """``dynamic_mode="exact"``: one executable per concrete size (buckets, the default, in
+    ``tests/runtime/test_buckets.py``)."""
     layer = nn.Linear(8, 3)
-    compiled = torch.compile(layer, backend="tpucompile")
+    compiled = torch.compile(layer, backend="tpucompile", options={"dynamic_mode": "exact"})
     caplog.set_level(logging.INFO, logger="tpucompile")
     with torch.no_grad():
         for batch in (2, 5, 9, 5, 9):

@@ -48,11 +48,13 @@ class Options:
     """How many concrete-shape executables one symbolic graph keeps before the least recently used is
     dropped (each extra shape is a recompile, logged with its reason)."""
 
-    dynamic_mode: str = "exact"
-    """How a graph with symbolic sizes is compiled: "exact" (one executable per concrete size) or "bucket"
-    (one per bucket of sizes, the inputs padded to it and the padding made invisible to the program, so
-    results are those of the exact sizes). A graph with an op that padding would make inexact, or on a
-    device mesh, or compile-only, is compiled per size ("bucket" then warns once, naming the op)."""
+    dynamic_mode: str = "bucket"
+    """How a graph with symbolic sizes is compiled: "bucket" (one executable per bucket of sizes, the inputs
+    padded to it and the padding made invisible to the program, so results are those of the exact sizes) or
+    "exact" (one per concrete size). A graph with an op that padding would make inexact, or on a device mesh,
+    or compile-only, is compiled per size ("bucket" then warns once, naming the op; "exact" asks for that
+    without the warning). Buckets are the default because on an accelerator each new size is a compile, while
+    XLA's TPU estimate puts the bucketed programs of ``bench/buckets.py`` at or under the exact-size ones."""
 
     buckets: tuple[Any, ...] = ()
     """The sizes a dynamic dimension is padded to under ``dynamic_mode="bucket"`` (the smallest that holds

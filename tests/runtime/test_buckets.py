@@ -80,7 +80,7 @@ def test_one_compile_per_bucket_and_eager_results(caplog, seeded):
     stats.reset()
     w = torch.randn(8, 8)
     compiled = torch.compile(_mixed, backend="tpucompile", options=BUCKETED)
-    exact = torch.compile(copy.deepcopy(_mixed), backend="tpucompile")
+    exact = torch.compile(copy.deepcopy(_mixed), backend="tpucompile", options={"dynamic_mode": "exact"})
     for n in (5, 9, 12, 16, 17, 30):
         x = torch.randn(n, 8)
         torch._dynamo.mark_dynamic(x, 0)
@@ -94,6 +94,32 @@ def test_one_compile_per_bucket_and_eager_results(caplog, seeded):
     assert figures["compiles"] + sum(figures["hits"].values()) == 2  # a hit: the session cache had it
     assert len(figures["recompiles"]) == 1 and "bucket 32" in figures["recompiles"][0]
     assert figures["bucket_hits"] == 4  # six calls, two of them compiled
+
+
+def test_buckets_are_the_default_and_exact_sizes_are_asked_for(caplog, seeded, monkeypatch):
+    """Without options a graph Dynamo hands over with symbolic sizes compiles per bucket (5, 9 and 12 share the
+    bucket of 16: one compile, two bucket hits); ``dynamic_mode="exact"`` compiles each size."""
+    monkeypatch.delenv("TPUCOMPILE_DYNAMIC_MODE", raising=False)
+    caplog.set_level(logging.INFO, logger="tpucompile")
+    assert Options.from_sources({}, environ={}).dynamic_mode == "bucket"
+
+    def f(x):
+        return torch.softmax(x, 0) * x.sum(0)
+
+    for options in ({}, {"dynamic_mode": "exact"}):
+        torch._dynamo.reset()
+        stats.reset()
+        caplog.clear()
+        compiled = torch.compile(f, backend="tpucompile", options=options)
+        for n in (5, 9, 12):
+            x = torch.randn(n, 4)
+            torch._dynamo.mark_dynamic(x, 0)
+            assert_close_tree(compiled(x), f(x))
+        bucket_hits = sum(g["bucket_hits"] for g in tpucompile.stats()["graphs"].values())
+        if options:
+            assert bucket_hits == 0 and len(_per_size_compiles(caplog)) == 2, _per_size_compiles(caplog)
+        else:
+            assert bucket_hits == 2 and not _per_size_compiles(caplog) and not _bucket_compiles(caplog)
 
 
 def test_listed_buckets_and_sizes_past_them(caplog, seeded):
