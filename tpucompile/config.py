@@ -48,13 +48,14 @@ class Options:
     """How many concrete-shape executables one symbolic graph keeps before the least recently used is
     dropped (each extra shape is a recompile, logged with its reason)."""
 
-    dynamic_mode: str = "bucket"
+    dynamic_mode: str = "auto"
     """How a graph with symbolic sizes is compiled: "bucket" (one executable per bucket of sizes, the inputs
-    padded to it and the padding made invisible to the program, so results are those of the exact sizes) or
-    "exact" (one per concrete size). A graph with an op that padding would make inexact, or on a device mesh,
-    or compile-only, is compiled per size ("bucket" then warns once, naming the op; "exact" asks for that
-    without the warning). Buckets are the default because on an accelerator each new size is a compile, while
-    XLA's TPU estimate puts the bucketed programs of ``bench/buckets.py`` at or under the exact-size ones."""
+    padded to it and the padding made invisible to the program, so results are those of the exact sizes),
+    "exact" (one per concrete size), or "auto", the default: per bucket wherever that is exact, else per size.
+    A graph with an op that padding would make inexact, or on a device mesh, is compiled per size; "bucket"
+    then warns once, naming the op, "auto" says so in the log (INFO). Buckets are the default because on an
+    accelerator each new size is a compile, while XLA's TPU estimate puts the bucketed programs of
+    ``bench/buckets.py`` at or under the exact-size ones."""
 
     buckets: tuple[Any, ...] = ()
     """The sizes a dynamic dimension is padded to under ``dynamic_mode="bucket"`` (the smallest that holds
@@ -356,7 +357,7 @@ HOST_KERNEL_TIMINGS = ("background", "inline")
 """The values of ``host_kernel_timing``."""
 ATTENTION_MODES = ("auto", "kernel", "math", "interpret")
 """The values of ``attention``."""
-DYNAMIC_MODES = ("exact", "bucket")
+DYNAMIC_MODES = ("auto", "bucket", "exact")
 """The values of ``dynamic_mode``."""
 _CHOICES = {"dynamic_mode": DYNAMIC_MODES, "fallback": ("eager", "error"), "attention": ATTENTION_MODES,
             "host_kernels": HOST_KERNEL_MODES, "host_kernel_timing": HOST_KERNEL_TIMINGS,

@@ -97,11 +97,12 @@ def test_one_compile_per_bucket_and_eager_results(caplog, seeded):
 
 
 def test_buckets_are_the_default_and_exact_sizes_are_asked_for(caplog, seeded, monkeypatch):
-    """Without options a graph Dynamo hands over with symbolic sizes compiles per bucket (5, 9 and 12 share the
-    bucket of 16: one compile, two bucket hits); ``dynamic_mode="exact"`` compiles each size."""
+    """Without options (``dynamic_mode="auto"``) a graph Dynamo hands over with symbolic sizes compiles per
+    bucket (5, 9 and 12 share the bucket of 16: one compile, two bucket hits); ``dynamic_mode="exact"``
+    compiles each size."""
     monkeypatch.delenv("TPUCOMPILE_DYNAMIC_MODE", raising=False)
     caplog.set_level(logging.INFO, logger="tpucompile")
-    assert Options.from_sources({}, environ={}).dynamic_mode == "bucket"
+    assert Options.from_sources({}, environ={}).dynamic_mode == "auto"
 
     def f(x):
         return torch.softmax(x, 0) * x.sum(0)
@@ -120,6 +121,28 @@ def test_buckets_are_the_default_and_exact_sizes_are_asked_for(caplog, seeded, m
             assert bucket_hits == 0 and len(_per_size_compiles(caplog)) == 2, _per_size_compiles(caplog)
         else:
             assert bucket_hits == 2 and not _per_size_compiles(caplog) and not _bucket_compiles(caplog)
+
+
+def test_by_default_a_graph_that_cannot_bucket_compiles_per_size_and_says_so_in_the_log(caplog, seeded,
+                                                                                     monkeypatch):
+    """Buckets by default are not a request: a graph that padding would make inexact (the median of every
+    element) compiles per size with a log line naming the op, where ``dynamic_mode="bucket"`` warns."""
+    monkeypatch.delenv("TPUCOMPILE_DYNAMIC_MODE", raising=False)
+    caplog.set_level(logging.INFO, logger="tpucompile")
+
+    def op(x):
+        return x.median()
+
+    compiled = torch.compile(op, backend="tpucompile")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", TpuCompileWarning)
+        for n in (5, 6, 7):
+            x = torch.randn(3, n)
+            torch._dynamo.mark_dynamic(x, 1)
+            assert_close_tree(compiled(x), op(x))
+    logged = [r.getMessage() for r in caplog.records if "once per size, not per bucket" in r.getMessage()]
+    assert len(logged) == 1 and "aten.median" in logged[0], logged
+    assert len(_per_size_compiles(caplog)) == 2
 
 
 def test_listed_buckets_and_sizes_past_them(caplog, seeded):

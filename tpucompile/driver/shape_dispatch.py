@@ -4,6 +4,7 @@ time."""
 
 from __future__ import annotations
 
+import logging
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -21,6 +22,8 @@ from tpucompile.lowering import ShapeBindings, is_symbolic, padding_safety
 from tpucompile.runtime import GraphExecutable, ShapeSpecializer
 from tpucompile.runtime.buckets import BucketedGraph
 from tpucompile.runtime.input_views import input_views
+
+log = logging.getLogger("tpucompile")
 
 
 def compile_region(
@@ -64,9 +67,10 @@ def compile_region(
 
 def _bucketable(gm: torch.fx.GraphModule, metas: list[Any], targets: CompileTargets, options: Options,
                 name: str) -> bool:
-    """Whether ``gm`` compiles per bucket of sizes: asked for, on one device of this process, and exact under
-    padding (else one warning naming the op that is not, and per-size executables)."""
-    if options.dynamic_mode != "bucket":
+    """Whether ``gm`` compiles per bucket of sizes: not asked to compile per size, on one device of this
+    process, and exact under padding. Else per-size executables, with one warning naming the op that is not
+    exact where buckets were asked for, a log line where they are only the default."""
+    if options.dynamic_mode == "exact":
         return False
     why = None
     if options.mesh is not None or len(targets.lowered_for.devices) != 1:
@@ -76,7 +80,9 @@ def _bucketable(gm: torch.fx.GraphModule, metas: list[Any], targets: CompileTarg
     else:
         found = padding_safety.first_inexact(gm, runtime_symbols(metas))
         why = found[1] if found is not None else None
-    if why is not None:
+    if why is not None and options.dynamic_mode == "bucket":
         warnings.warn(f"tpucompile compiles {name} once per size, not per bucket: {why}", TpuCompileWarning,
                       stacklevel=2)
+    elif why is not None:
+        log.info("compiling %s once per size, not per bucket: %s", name, why)
     return why is None

@@ -219,7 +219,7 @@ def fitting_partition(config: Options, trial: LoopBodyTrial = FIRST_TRIAL) -> Ca
                 split, hbm, lambda: mark_block_boundaries(joint_module, kwargs["num_fwd_outputs"]))
         if config.saved_transposes_as_bases:
             save_bases_of_transposes(forward, backward, kwargs["num_fwd_outputs"], runtime_merges=(
-                config.dynamic_mode == "bucket" and config.bucket_saved_unmerged))
+                config.dynamic_mode != "exact" and config.bucket_saved_unmerged))
         forward.meta[BUDGET_KEY] = backward.meta[BUDGET_KEY] = choice.as_dict()
         return forward, backward
 
