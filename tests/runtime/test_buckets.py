@@ -409,8 +409,11 @@ _W = torch.randn(8, 6)
     # rows merged with the padded dimension outermost, through a product, split back (XLA's padder aborted)
     lambda x: (x.unsqueeze(2).expand(-1, -1, 2, -1).reshape(3, 2 * x.shape[1], 8) @ x.transpose(1, 2)).reshape(
         3, x.shape[1], 2, x.shape[1]).softmax(-1),
+    # regrouped with the padded dimension outermost on both sides, (s, 3, 8) -> (2 * s, 12): XLA's padder
+    # refuses a reshape that splits and merges around it
+    lambda x: (x.transpose(0, 1).contiguous().reshape(2 * x.shape[1], 12) * 3).softmax(0),
 ], ids=["merge-inner", "linear-3d", "split-heads", "static-reductions-and-slices", "embedding",
-        "split-outer-after-product"])
+        "split-outer-after-product", "regroup-outer"])
 def test_views_and_lookups_stay_on_buckets(op, caplog, seeded):
     caplog.set_level(logging.INFO, logger="tpucompile")
     compiled = torch.compile(op, backend="tpucompile", options=BUCKETED)
@@ -421,6 +424,29 @@ def test_views_and_lookups_stay_on_buckets(op, caplog, seeded):
             torch._dynamo.mark_dynamic(x, 1)
             assert_close_tree(compiled(x), op(x))
     assert not _per_size_compiles(caplog) and not _bucket_compiles(caplog)
+
+
+def test_multihead_attention_trains_on_buckets_by_default(seeded, monkeypatch):
+    """``nn.MultiheadAttention`` splits its heads with a reshape that regroups the padded sequence with the
+    batch, ``(s, b * h, d) -> (s * b, h * d)`` (it failed in XLA's compile under buckets); with the default
+    options, lengths inside and across buckets: outputs and every gradient as eager's, and bucket hits."""
+    monkeypatch.delenv("TPUCOMPILE_DYNAMIC_MODE", raising=False)
+    stats.reset()
+    attention = torch.nn.MultiheadAttention(32, 4, batch_first=True)
+    eager = copy.deepcopy(attention)
+    compiled = torch.compile(attention, backend="tpucompile")
+    for n in (7, 12, 19, 30):
+        x = torch.randn(2, n, 32)
+        padding = torch.zeros(2, n, dtype=torch.bool)
+        padding[1, -3:] = True
+        got, expected = compiled(x, x, x, key_padding_mask=padding)[0], eager(x, x, x, key_padding_mask=padding)[0]
+        assert_close_tree(got, expected)
+        got.square().mean().backward()
+        expected.square().mean().backward()
+        for (name, p), q in zip(attention.named_parameters(), eager.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, msg=name)
+            p.grad = q.grad = None
+    assert sum(g["bucket_hits"] for g in tpucompile.stats()["graphs"].values()) > 0
 
 
 @pytest.mark.parametrize("switches", [{}, {"bucket_unmerged_products": False}, {"bucket_saved_unmerged": False}],

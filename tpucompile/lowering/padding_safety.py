@@ -159,7 +159,8 @@ def reshape_plan(node: torch.fx.Node, runtime: frozenset[sympy.Symbol]) -> tuple
     runtime-sized dimension kept or merged with others), ("split", (input dim, output dims)) for the split XLA
     gets wrong, a runtime-sized dimension split with itself inside (as ``(b * s, n) -> (b, s, n)`` after a
     matrix product), which the lowering gathers itself; ("outer-split", input dim) for one split with itself
-    outermost (``(2 * s, n) -> (s, 2, n)``), whose actual elements are a prefix: the lowering reshapes it in a
+    outermost (``(2 * s, n) -> (s, 2, n)``), or regrouped with itself outermost on both sides
+    (``(s, 8, 8) -> (2 * s, 32)``), whose actual elements are a prefix: the lowering reshapes it in a
     fixed shape, since XLA's padder, following the size back through a product, aborts the process on some
     (``dynamic_sizes.fixed_shape``); else ("inexact", why). Groups are the runs of dimensions whose products
     match, found with every symbol set to a large prime (so products of different symbols never collide)."""
@@ -197,6 +198,14 @@ def reshape_plan(node: torch.fx.Node, runtime: frozenset[sympy.Symbol]) -> tuple
         if sum(flags_in) > 1 or sum(flags_out) > 1:
             return "inexact", "it merges or splits two padded dimensions together"
         if flags_out and flags_out[0] and len(group_in) == 1 and len(group_out) > 1 and plan[0] == "xla":
+            plan = ("outer-split", group_in[0][0])
+            continue
+        if flags_in[0] and flags_out[0] and len(group_in) > 1 and len(group_out) > 1:
+            # regrouped with itself outermost on both sides (``(s, 8, 8) -> (2 * s, 32)``, a head split inside
+            # ``nn.MultiheadAttention``): the actual elements are a prefix, as in an outer split; XLA's padder
+            # refuses a reshape that both splits and merges around a dynamic dimension
+            if plan[0] != "xla":
+                return "inexact", "it regroups a padded dimension in a way tpucompile cannot follow"
             plan = ("outer-split", group_in[0][0])
             continue
         if not any(flags_out) or len(group_out) == 1 or flags_out[0]:
