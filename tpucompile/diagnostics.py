@@ -57,6 +57,22 @@ def describe_value(value: object) -> str:
     return type(value).__name__
 
 
+_ROOT = re.compile(r"^L\[['\"][^'\"]*['\"]\]\.?")
+
+
+def module_location(node: torch.fx.Node) -> str | None:
+    """The innermost module that made ``node`` (Dynamo's ``nn_module_stack``), as ``submodule 0 (Conv2d)``:
+    what a message can name when the stack trace names no line, as for an ``nn.Sequential`` of torch's own
+    modules, whose every frame is inside torch and so left out of the trace."""
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return None
+    path, kind = list(stack.values())[-1]
+    name = getattr(kind, "__qualname__", str(kind))
+    path = _ROOT.sub("", str(path))
+    return f"submodule {path} ({name})" if path else f"the compiled module ({name})"
+
+
 def describe_node(node: torch.fx.Node) -> str:
     """``aten.add.Tensor(float32[2, 3], 1.0) at model.py:12 in forward: y = x + 1``"""
     args = [describe_value(a) for a in node.args]
@@ -65,7 +81,10 @@ def describe_node(node: torch.fx.Node) -> str:
     if "val" in node.meta:
         text += f" -> {describe_value(node.meta['val'])}"
     where = source_location(node)
-    return f"{text} at {where}" if where else f"{text} (no source location recorded)"
+    if where:
+        return f"{text} at {where}"
+    module = module_location(node)
+    return f"{text} in {module} (no source line recorded)" if module else f"{text} (no source location recorded)"
 
 
 def op_name(target: object) -> str:

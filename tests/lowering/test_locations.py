@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 
@@ -59,3 +60,21 @@ def test_key_ignores_locations_and_program_verifies():
     assert first.key == second.key
     assert second.cache_hit
     assert first.program.module.operation.verify()
+
+
+def test_a_node_inside_torchs_own_modules_is_named_by_its_submodule(caplog, monkeypatch):
+    """An ``nn.Sequential`` of torch's own modules leaves no user frame in Dynamo's stack traces: messages name
+    the submodule instead (here the log line of a convolution over a changing image size, which compiles per
+    size)."""
+    monkeypatch.delenv("TPUCOMPILE_DYNAMIC_MODE", raising=False)
+    caplog.set_level(logging.INFO, logger="tpucompile")
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.ReLU())
+    compiled = torch.compile(net, backend="tpucompile")
+    with torch.no_grad():
+        for n in (10, 13):
+            x = torch.randn(2, 3, n, n)
+            torch._dynamo.mark_dynamic(x, 2)
+            torch.testing.assert_close(compiled(x), net(x))
+    logged = [r.getMessage() for r in caplog.records if "once per size" in r.getMessage()]
+    assert logged and "aten.convolution" in logged[0], logged
+    assert "in submodule 0 (Conv2d) (no source line recorded)" in logged[0], logged[0]
