@@ -57,7 +57,13 @@ def describe_value(value: object) -> str:
     return type(value).__name__
 
 
-_ROOT = re.compile(r"^L\[['\"][^'\"]*['\"]\]\.?")
+_MODULE_ROOT = re.compile(r"""^[LG]\[['"][^'"]+['"]\]\.?""")
+
+
+def submodule_path(source: str) -> str:
+    """A module's path below the compiled one, from the source Dynamo records for it in ``nn_module_stack``
+    (``L['self'].layers.0`` -> ``layers.0``; the compiled module itself -> "")."""
+    return _MODULE_ROOT.sub("", source)
 
 
 def module_location(node: torch.fx.Node) -> str | None:
@@ -69,7 +75,7 @@ def module_location(node: torch.fx.Node) -> str | None:
         return None
     path, kind = list(stack.values())[-1]
     name = getattr(kind, "__qualname__", str(kind))
-    path = _ROOT.sub("", str(path))
+    path = submodule_path(str(path))
     return f"submodule {path} ({name})" if path else f"the compiled module ({name})"
 
 

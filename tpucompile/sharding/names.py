@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import torch.fx
 
+from tpucompile.diagnostics import submodule_path
 from tpucompile.sharding.plan import GraphValue
 
 
@@ -39,9 +40,6 @@ def graph_activations(gm: torch.fx.GraphModule) -> list[GraphValue]:
     return found
 
 
-_MODULE_ROOT = re.compile(r"""^[LG]\[['"][^'"]+['"]\]\.?""")
-
-
 def module_outputs(gm: torch.fx.GraphModule) -> dict[str, list[torch.fx.Node]]:
     """For each submodule (by path in the compiled module), the tensor nodes it computes that are used outside
     it: what it returns. Dynamo records the modules each node was traced in (``nn_module_stack``), and
@@ -49,7 +47,7 @@ def module_outputs(gm: torch.fx.GraphModule) -> dict[str, list[torch.fx.Node]]:
 
     def scopes(node: torch.fx.Node) -> set[str]:
         stack = node.meta.get("nn_module_stack") or {}
-        return {_MODULE_ROOT.sub("", str(value[0])) for value in stack.values()}
+        return {submodule_path(str(value[0])) for value in stack.values()}
 
     found: dict[str, list[torch.fx.Node]] = {}
     for node in gm.graph.nodes:
