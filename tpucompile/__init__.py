@@ -41,8 +41,10 @@ def __getattr__(name: str) -> object:
 def stats() -> dict:
     """What this process compiled and reused, in total and per graph (by the name its logs use):
     ``compiles`` (executables compiled), ``hits`` (executables found, by cache tier: memory, local, remote),
-    ``recompiles`` (one reason per compile of a graph after its first: the new sizes or bucket) and
-    ``bucket_hits`` (calls served by the executable of a bucket compiled before)."""
+    ``recompiles`` (one reason per compile of a graph after its first: the new sizes or bucket),
+    ``bucket_hits`` (calls served by the executable of a bucket compiled before) and ``stack_copies`` (calls
+    that stacked a rolled run's parameters by copy: a graph's first call, and any after their ``.data`` was
+    replaced; every call, where they cannot be views of one buffer)."""
     return compile_stats.snapshot()
 
 

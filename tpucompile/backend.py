@@ -39,6 +39,7 @@ from tpucompile.frontend import (
     rewrite_attention,
     rewrite_interpolation,
     roll_repeated_layers,
+    take_out_parameter_stacks,
     traced_budget,
     traced_like_real_tensors,
 )
@@ -72,8 +73,14 @@ def tpucompile_backend(
             record_graph(f"graph {index}", "fx_roll_layers", gm)
     if rolling is None or rolling.unrolled is None:
         return _compile_graph(gm, example_inputs, config, targets, index)
+    stacked = take_out_parameter_stacks(gm, example_inputs, f"graph {index}") \
+        if config.stacked_parameters and config.mesh is None else None
     try:
-        return _compile_graph(gm, example_inputs, config, targets, index)
+        if stacked is None:
+            return _compile_graph(gm, example_inputs, config, targets, index)
+        inner, stacks = stacked
+        record_graph(f"graph {index}", "fx_stacked_parameters", inner)
+        return stacks.wrap(_compile_graph(inner, stacks.inner_examples(example_inputs), config, targets, index))
     except Exception as error:  # e.g. PyTorch cannot differentiate the loop: the layers as Dynamo traced them
         compiled = _compile_graph(rolling.unrolled, example_inputs, config, targets, index)
         warnings.warn(f"tpucompile compiled graph {index} with its layers unrolled: rolled into a loop it failed "

@@ -169,6 +169,13 @@ class Options:
     (``roll_layers_for``); True rolls there too (a deep model's plan compiles in a fraction of the time). The
     graph dump says which runs were rolled and why others were not."""
 
+    stacked_parameters: bool = True
+    """A rolled run's parameters are stacked once, outside the program: each layer's parameter becomes a view
+    of one buffer the loop reads as it lies, and optimisers update them in place there
+    (``frontend/parameter_stacks.py``); False stacks them inside the program, a copy of every rolled weight on
+    every call. Parameters that cannot be views of such a buffer, and sharded programs, are stacked in the
+    program either way."""
+
     grouped_query_attention: bool = True
     """Attention in its math form whose keys and values serve groups of query heads (Hugging Face's
     ``repeat_kv`` expansion, or ``enable_gqa``) is computed per key/value head, each group's queries as rows of

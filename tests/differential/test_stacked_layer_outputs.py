@@ -1,6 +1,8 @@
 """A rolled backward returns its layers' weight gradients stacked, once, each gradient a view of its layer
 (``stacked_layer_outputs``), against the form with one result per layer and against eager: the same values,
-training steps included (gradients accumulated into views, an optimiser updating them in place)."""
+training steps included (gradients accumulated into views, an optimiser updating them in place). The weights
+are stacked inside the program here (``stacked_parameters=False``), as they are where they cannot be stacked
+once outside it (``test_parameter_stacks.py``), which is the form whose gradients come out per layer."""
 
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ def _steps(stacked: bool | None, seed: int = 0):
     torch.manual_seed(seed)
     model = GPT(GPTConfig(n_layer=3, n_embd=32, n_head=4, vocab_size=64, block_size=16))
     run = model if stacked is None else torch.compile(model, backend="tpucompile", options={
-        "roll_layers": True, "stacked_layer_outputs": stacked, "cache_mode": "off"})
+        "roll_layers": True, "stacked_layer_outputs": stacked, "stacked_parameters": False, "cache_mode": "off"})
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     events: list = []
     remove = driver.add_observer(events.append)
@@ -69,7 +71,8 @@ def test_only_every_layer_of_a_stack_folds(layers, folded, cache_dir):
     """One layer rolls nothing; the plain outputs keep a result each."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=layers, n_embd=32, n_head=4, vocab_size=64, block_size=16))
-    compiled = torch.compile(model, backend="tpucompile", options={"roll_layers": True, "cache_mode": "off"})
+    compiled = torch.compile(model, backend="tpucompile", options={"roll_layers": True, "stacked_parameters": False,
+                                                                   "cache_mode": "off"})
     events: list = []
     remove = driver.add_observer(events.append)
     try:

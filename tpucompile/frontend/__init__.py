@@ -22,6 +22,7 @@ from tpucompile.frontend.graph_input_uses import USES_KEY, graph_input_uses
 from tpucompile.frontend.interpolation import rewrite_interpolation
 from tpucompile.frontend.layer_rolling import ROLLING_KEY, roll_repeated_layers
 from tpucompile.frontend.meta_tracing import traced_like_real_tensors
+from tpucompile.frontend.parameter_stacks import take_out_parameter_stacks
 
 __all__ = [
     "BUDGET_KEY",
@@ -37,6 +38,7 @@ __all__ = [
     "rewrite_attention",
     "rewrite_interpolation",
     "roll_repeated_layers",
+    "take_out_parameter_stacks",
     "traced_budget",
     "traced_like_real_tensors",
 ]

@@ -39,6 +39,10 @@ import torch.fx
 ROLLING_KEY = "tpucompile_rolling"
 """Graph meta: what was rolled (``"rolled <prefix>[i:j]: n layers"``) and what was not, with why."""
 
+LAYER_STACK_KEY = "tpucompile_layer_stack"
+"""Node meta, on the concatenation that stacks one input of a rolled run's layers (``parameter_stacks`` takes
+such stacks of parameters out of the program)."""
+
 MIN_RUN = 2
 """The fewest identical layers worth a loop."""
 
@@ -368,6 +372,7 @@ def _rewrite(gm: torch.fx.GraphModule, plan: _Plan, name: str) -> dict[torch.fx.
                 layer_rows.append(row)
             rows += layer_rows
             node = graph.call_function(torch.cat, (layer_rows, 0))
+            node.meta[LAYER_STACK_KEY] = True
             node.meta["example_value"] = _stacked_example([_example(layer.inputs[k]) for layer in plan.layers])
             stacked.append(node)
         body_node = graph.get_attr(name)

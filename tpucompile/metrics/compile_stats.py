@@ -19,10 +19,11 @@ class GraphStats:
     hits: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     recompiles: list[str] = dataclasses.field(default_factory=list)
     bucket_hits: int = 0
+    stack_copies: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return {"compiles": self.compiles, "hits": dict(self.hits), "recompiles": list(self.recompiles),
-                "bucket_hits": self.bucket_hits}
+                "bucket_hits": self.bucket_hits, "stack_copies": self.stack_copies}
 
 
 _graphs: dict[str, GraphStats] = {}
@@ -54,16 +55,23 @@ def record_bucket_hit(name: str) -> None:
     _graph(name).bucket_hits += 1
 
 
+def record_stack_copy(name: str) -> None:
+    """A call of graph ``name`` stacked one of its rolled layers' parameters by copy, not reading the buffer
+    they are views of (its first call, or one after their ``.data`` was replaced)."""
+    _graph(name).stack_copies += 1
+
+
 def snapshot() -> dict[str, Any]:
-    """Per graph and in total: executables compiled, cache hits by tier, recompiles with their reasons and
-    bucket hits (calls served by the executable of a bucket compiled before)."""
+    """Per graph and in total: executables compiled, cache hits by tier, recompiles with their reasons, bucket
+    hits (calls served by the executable of a bucket compiled before) and stack copies (``record_stack_copy``)."""
     graphs = {name: stats.as_dict() for name, stats in list(_graphs.items())}
     hits: collections.Counter = collections.Counter()
     for stats in graphs.values():
         hits.update(stats["hits"])
     total = {"compiles": sum(s["compiles"] for s in graphs.values()), "hits": dict(hits),
              "recompiles": sum(len(s["recompiles"]) for s in graphs.values()),
-             "bucket_hits": sum(s["bucket_hits"] for s in graphs.values())}
+             "bucket_hits": sum(s["bucket_hits"] for s in graphs.values()),
+             "stack_copies": sum(s["stack_copies"] for s in graphs.values())}
     return {"total": total, "graphs": graphs}
 
 

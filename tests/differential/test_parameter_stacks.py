@@ -1,0 +1,142 @@
+"""Rolled layers' parameters stacked once, outside the program (``stacked_parameters``), against the same loop
+stacking them inside the program on every call and against eager: the same losses, weights and gradients over
+training steps (an optimiser updating the parameters in place, gradients accumulated over micro-batches), no
+copy of the weights in the program or on a steady call, and parameters whose memory changes hands (``.data``
+replaced, a view of a user's tensor) read as they are on every call."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+import tpucompile
+from tpucompile import driver
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                                "examples"))
+
+from mingpt import GPT, GPTConfig
+
+LAYERS = 3
+
+
+def _gpt() -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(n_layer=LAYERS, n_embd=32, n_head=4, vocab_size=64, block_size=16))
+
+
+def _tokens(seed: int) -> torch.Tensor:
+    return torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(seed))
+
+
+def _compiled(model: GPT, stacked: bool) -> torch.nn.Module:
+    return torch.compile(model, backend="tpucompile", options={"roll_layers": True, "stacked_parameters": stacked,
+                                                               "cache_mode": "off"})
+
+
+def _train(stacked: bool | None) -> tuple[list[torch.Tensor], dict, dict, list, GPT, int]:
+    """Three SGD steps with momentum, the last two accumulating two micro-batches (None: eager): losses, final
+    weights and gradients, the programs compiled, the model, and the calls that stacked by copy."""
+    model = _gpt()
+    run = model if stacked is None else _compiled(model, stacked)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    events: list = []
+    remove = driver.add_observer(events.append)
+    copies_before = tpucompile.stats()["total"]["stack_copies"]
+    losses = []
+    try:
+        for step in range(3):
+            optimizer.zero_grad(set_to_none=step != 1)  # step 1 accumulates into gradients zeroed in place
+            for micro in range(1 + (step > 0)):
+                tokens = _tokens(10 * step + micro)
+                loss = run(tokens, tokens)
+                loss.backward()
+                losses.append(loss.detach())
+            optimizer.step()
+    finally:
+        remove()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    weights = {name: p.detach().clone() for name, p in model.named_parameters()}
+    copies = tpucompile.stats()["total"]["stack_copies"] - copies_before
+    return losses, weights, grads, {e.name.rsplit("(", 1)[-1].rstrip(")"): e.program for e in events}, model, copies
+
+
+def _concatenations(program) -> int:
+    return str(program.module).count("stablehlo.concatenate")
+
+
+def test_stacked_once_trains_like_stacked_per_call_and_like_eager(cache_dir):
+    once, per_call, eager = _train(True), _train(False), _train(None)
+    for index, what in enumerate(("losses", "weights", "grads")):
+        # the loops are the same program apart from where the stacks come from: the same arithmetic
+        torch.testing.assert_close(once[index], per_call[index], rtol=0, atol=0, msg=what)
+        torch.testing.assert_close(once[index], eager[index], rtol=2e-4, atol=2e-5, msg=what)
+    model = once[4]
+    kinds = [name for name, _ in model.blocks[0].named_parameters()]
+    for kind in kinds:  # each kind's layers are consecutive rows of one buffer
+        rows = [model.blocks[i].get_parameter(kind) for i in range(LAYERS)]
+        assert len({p.untyped_storage().data_ptr() for p in rows}) == 1, kind
+        assert [p.storage_offset() for p in rows] == [i * rows[0].numel() for i in range(LAYERS)], kind
+    assert once[5] == len(kinds)  # one copy per stack, on the first call; none on the 4 calls after it
+    # the per-call form's forward concatenates each stack; the stacked-once forward reads them as arguments
+    assert _concatenations(once[3]["forward"]) + len(kinds) <= _concatenations(per_call[3]["forward"])
+
+
+def test_parameters_replaced_or_updated_outside_the_step_are_read_as_they_are(cache_dir):
+    model = _gpt()
+    compiled = _compiled(model, True)
+    tokens = _tokens(1)
+    torch.testing.assert_close(compiled(tokens, tokens), model(tokens, tokens))
+    weight = model.blocks[1].attn.qkv.weight
+    with torch.no_grad():
+        weight.mul_(0.5)  # an in-place update writes into the stack's buffer
+    torch.testing.assert_close(compiled(tokens, tokens), model(tokens, tokens))
+    weight.data = torch.randn_like(weight)  # new memory: the next call stacks again and takes it in
+    copies = tpucompile.stats()["total"]["stack_copies"]
+    expected = model(tokens, tokens)
+    torch.testing.assert_close(compiled(tokens, tokens), expected)
+    assert tpucompile.stats()["total"]["stack_copies"] == copies + 1
+    others = model.blocks[0].attn.qkv.weight
+    assert weight.untyped_storage().data_ptr() == others.untyped_storage().data_ptr()  # a row again
+    state = {k: torch.randn_like(v) if v.is_floating_point() else v for k, v in model.state_dict().items()}
+    model.load_state_dict(state, assign=True)  # every parameter replaced
+    torch.testing.assert_close(compiled(tokens, tokens), model(tokens, tokens))
+
+
+def test_a_parameter_that_views_a_users_tensor_stays_a_view_and_is_read_on_every_call(cache_dir):
+    model = _gpt()
+    weight = model.blocks[2].mlp[0].weight
+    flat = torch.zeros(weight.numel() + 8)
+    with torch.no_grad():
+        flat[8:].copy_(weight.reshape(-1))
+    weight.data = flat[8:].view(weight.shape)  # the user's own tensor holds this layer's weight
+    compiled = _compiled(model, True)
+    tokens = _tokens(2)
+    for scale in (1.0, 0.25):
+        with torch.no_grad():
+            flat.mul_(scale)
+        torch.testing.assert_close(compiled(tokens, tokens), model(tokens, tokens))
+        assert weight.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+    loss = compiled(tokens, tokens)
+    loss.backward()
+    model_eager = _gpt()
+    model_eager.load_state_dict(model.state_dict())
+    model_eager(tokens, tokens).backward()
+    for (name, p), q in zip(model.named_parameters(), model_eager.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=2e-4, atol=2e-5, msg=name)
+
+
+@pytest.mark.parametrize("stacked", [True, False])
+def test_inference_under_no_grad_reads_the_stack_without_copies(stacked, cache_dir):
+    model = _gpt().eval()
+    compiled = _compiled(model, stacked)
+    before = tpucompile.stats()["total"]["stack_copies"]
+    with torch.no_grad():
+        for seed in range(3):
+            tokens = _tokens(seed)
+            torch.testing.assert_close(compiled(tokens), model(tokens))
+    copies = tpucompile.stats()["total"]["stack_copies"] - before
+    assert copies == (len(list(model.blocks[0].parameters())) if stacked else 0)

@@ -1,0 +1,203 @@
+"""Rolled layers' parameters stacked once, outside the program: each layer's parameter becomes a view of one
+buffer that the loop reads as it lies.
+
+The layer roller stacks a run's parameters inside the graph (a concatenation of the layers' values), so every
+call of the compiled program copies every rolled weight into a new stack before the loop reads it, and the
+backward's gradient of the stack is sliced back into one gradient per layer. Here the concatenation of
+parameters that are graph inputs is replaced by one input, the stack itself, and the compiled graph is called
+with a buffer whose rows the parameters' ``.data`` are made views of on the first call: an optimiser's
+in-place update of a parameter writes into the buffer, so the next call finds it current and passes it again
+without a copy.
+The buffer is passed through ``_StackedParts``, whose backward hands each parameter its row of the stack's
+gradient as a view, so autograd fills ``.grad`` as before.
+
+A parameter that cannot be a view of a buffer of ours (a view of something else, one that shares its storage,
+an inference tensor) is left where it is and stacked by copy on each call, as the program did before; a
+parameter whose ``.data`` was replaced since (``load_state_dict(assign=True)``, ``module.to(...)``) is homed
+again on the next call. Sharded programs keep the stack in the graph, where the plan's shardings annotate it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.fx
+
+from tpucompile.frontend.layer_rolling import LAYER_STACK_KEY, ROLLING_KEY
+from tpucompile.metrics import compile_stats
+
+
+class _StackedParts(torch.autograd.Function):
+    """The stack buffer as a function of the parameters that are its rows: forward returns the buffer (no copy),
+    backward gives each parameter its row of the gradient (a view)."""
+
+    @staticmethod
+    def forward(ctx: Any, buffer_holder: _Holder, *parts: torch.Tensor) -> torch.Tensor:
+        return buffer_holder.buffer.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        return (None, *grad.unbind(0))
+
+
+@dataclasses.dataclass
+class _Holder:
+    """A non-tensor argument of ``_StackedParts`` that carries the buffer (a tensor argument would be one of
+    the function's inputs, and returning it would make the output a view of it)."""
+
+    buffer: torch.Tensor
+
+
+@dataclasses.dataclass
+class ParameterStack:
+    """One rolled stack: the outer graph input positions of its layers' parameters, in layer order, and the
+    buffer their ``.data`` are views of (None until the first call)."""
+
+    positions: tuple[int, ...]
+    graph: str
+    """The graph's name in ``tpucompile.stats()``, which counts the calls that stacked by copy."""
+    buffer: torch.Tensor | None = None
+
+    def value(self, args: Sequence[Any]) -> torch.Tensor:
+        """The stack for a call with the outer ``args``: the buffer the parameters are views of, homing them
+        first where they are not (a copy on that call only), through ``_StackedParts`` where gradients flow."""
+        parts = [args[k] for k in self.positions]
+        buffer = self.buffer
+        if buffer is None or not _rows_of(parts, buffer):
+            buffer = self._restack(parts)
+        if torch.is_grad_enabled() and any(part.requires_grad for part in parts):
+            return _StackedParts.apply(_Holder(buffer), *parts)
+        return buffer.detach()
+
+    def _restack(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        with torch.no_grad():
+            buffer = torch.stack([part.detach() for part in parts])
+        compile_stats.record_stack_copy(self.graph)
+        if all(_homable(part, self.buffer) for part in parts):
+            for row, part in enumerate(parts):
+                part.data = buffer[row]
+            self.buffer = buffer
+        return buffer
+
+
+def _homable(part: torch.Tensor, ours: torch.Tensor | None) -> bool:
+    """Whether ``part``'s ``.data`` may become a view of a buffer of ours: a leaf of a plain tensor type that
+    owns its whole storage or lies in our previous buffer (nothing else can see the memory it leaves)."""
+    if type(part) not in (torch.Tensor, torch.nn.Parameter) or part.grad_fn is not None or part.is_inference():
+        return False
+    if part.is_meta:
+        return True
+    if part._base is not None:
+        return False
+    storage = part.untyped_storage()
+    if ours is not None and not ours.is_meta and storage.data_ptr() == ours.untyped_storage().data_ptr():
+        return True
+    return storage.nbytes() == part.numel() * part.element_size() and part.is_contiguous()
+
+
+def _rows_of(parts: list[torch.Tensor], buffer: torch.Tensor) -> bool:
+    """Whether each of ``parts`` is still row ``i`` of ``buffer`` (same memory, shape, strides, dtype)."""
+    if buffer.is_meta:  # no memory to share: any stack of the right shape serves
+        return all(part.is_meta for part in parts)
+    storage = buffer.untyped_storage().data_ptr()
+    row_stride = buffer.stride(0)
+    strides = buffer.stride()[1:]
+    for row, part in enumerate(parts):
+        if (part.untyped_storage().data_ptr() != storage or part.storage_offset() != row * row_stride
+                or part.stride() != strides or part.dtype != buffer.dtype):
+            return False
+    return True
+
+
+@dataclasses.dataclass
+class StackedInputs:
+    """How the graph's inputs changed: the outer inputs it keeps, in order, then one input per stack."""
+
+    kept: tuple[int, ...]
+    stacks: tuple[ParameterStack, ...]
+    examples: tuple[Any, ...]
+    """Each stack's example value (a fake tensor of Dynamo's trace): the compile traces with these, so it
+    neither copies the weights nor homes them before the graph has compiled."""
+
+    def inner_examples(self, example_inputs: Sequence[Any]) -> list[Any]:
+        """The compiled graph's example inputs for the outer ``example_inputs``."""
+        return [example_inputs[k] for k in self.kept] + list(self.examples)
+
+    def inner(self, args: Sequence[Any]) -> list[Any]:
+        """The compiled graph's arguments for a call with the outer ``args``."""
+        return [args[k] for k in self.kept] + [stack.value(args) for stack in self.stacks]
+
+    def wrap(self, compiled: Callable[..., Any]) -> Callable[..., Any]:
+        """``compiled`` (a function of the inner arguments) as a function of the outer ones."""
+
+        def run(*args: Any) -> Any:
+            return compiled(*self.inner(args))
+
+        run.parameter_stacks = self  # type: ignore[attr-defined]
+        return run
+
+
+def take_out_parameter_stacks(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], name: str
+                              ) -> tuple[torch.fx.GraphModule, StackedInputs] | None:
+    """A copy of ``gm`` in which each in-graph stack of the rolled layers' parameters (graph inputs that are
+    ``nn.Parameter``\\ s read by nothing else) is a graph input of its own, appended after the others, and how
+    to call it; None when there is none. ``name`` is the graph's in ``tpucompile.stats()``. ``gm`` itself is
+    Dynamo's graph, whose inputs Dynamo reads back after the compile, so it keeps its own."""
+    if not any(node.meta.get(LAYER_STACK_KEY) for node in gm.graph.nodes):
+        return None
+    graph = torch.fx.Graph()
+    graph._codegen = gm.graph._codegen
+    copies: dict[torch.fx.Node, torch.fx.Node] = {}
+    graph.output(graph.graph_copy(gm.graph, copies))
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    position = {node: k for k, node in enumerate(placeholders)}
+    found: list[tuple[torch.fx.Node, list[torch.fx.Node], list[torch.fx.Node]]] = []
+    for node in graph.nodes:
+        if not node.meta.get(LAYER_STACK_KEY):
+            continue
+        rows = list(node.args[0])
+        sources = [row.args[0] if isinstance(row, torch.fx.Node) and row.target is torch.unsqueeze else None
+                   for row in rows]
+        if all(_stackable(source, row, example_inputs, position) for source, row in zip(sources, rows,
+                                                                                           strict=True)):
+            found.append((node, rows, sources))
+    if not found:
+        return None
+    last = placeholders[-1]
+    stacks, examples, taken, notes = [], [], set(), []
+    for stack_node, rows, sources in found:
+        with graph.inserting_after(last):
+            new = graph.placeholder(f"stacked_{sources[0].name}")
+        new.meta.update({k: v for k, v in stack_node.meta.items() if k in ("example_value", "val", "tensor_meta")})
+        last = new
+        stack_node.replace_all_uses_with(new)
+        graph.erase_node(stack_node)
+        for row in rows:
+            graph.erase_node(row)
+        for source in sources:
+            graph.erase_node(source)
+        stacks.append(ParameterStack(tuple(position[s] for s in sources), name))
+        examples.append(stack_node.meta["example_value"])
+        taken.update(position[s] for s in sources)
+        notes.append(f"stacked once: {sources[0].name} .. {sources[-1].name} ({len(sources)} layers)")
+    graph.lint()
+    inner = torch.fx.GraphModule(gm, graph)
+    inner.meta.update(gm.meta)
+    inner.meta[ROLLING_KEY] = [*gm.meta.get(ROLLING_KEY, []), *notes]
+    kept = tuple(k for k in range(len(placeholders)) if k not in taken)
+    return inner, StackedInputs(kept, tuple(stacks), tuple(examples))
+
+
+def _stackable(source: Any, row: torch.fx.Node, example_inputs: Sequence[Any],
+               position: dict[torch.fx.Node, int]) -> bool:
+    """Whether ``source`` (a stacked row's value) is a parameter input read only by its row, which is read
+    only by the stack."""
+    if not isinstance(source, torch.fx.Node) or source.op != "placeholder" or len(source.users) != 1:
+        return False
+    if len(row.users) != 1:
+        return False
+    example = example_inputs[position[source]]
+    return isinstance(example, torch.nn.Parameter)
