@@ -114,7 +114,8 @@ class Options:
 
     stacked_layer_outputs: bool = True
     """Graph outputs that are, together, every layer of one stacked result of a rolled loop (a rolled
-    backward's gradients of the layers' weights) are returned as that stacked result, once, and each output is
+    backward's gradients of the layers' weights, where they are stacked in the program: under a mesh, with
+    ``stacked_parameters`` off) are returned as that stacked result, once, and each output is
     a view of its layer; False returns each layer as a result of its own, which XLA copies out of the loop's
     stacked buffer, so the buffer counts among the program's temporaries and they grow with depth
     (``lowering/graph.py``, ``docs/benchmarks.md``)."""
