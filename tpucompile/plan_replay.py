@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 import torch.fx
+from torch._subclasses.fake_tensor import FakeTensor
 
 from tpucompile import artifacts, driver
 from tpucompile.config import Options
@@ -153,8 +154,9 @@ def runs_direct(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], options
 
 def _plain_and_distinct(tensors: Sequence[torch.Tensor]) -> bool:
     """Plain tensors and parameters (no subclasses), each passed once: AOTAutograd's wrapper would unwrap
-    subclasses and dedupe repeated arguments."""
-    return (all(type(x) in (torch.Tensor, torch.nn.Parameter) for x in tensors)
+    subclasses and dedupe repeated arguments. A fake tensor of the trace stands for a plain tensor made at
+    call time (a rolled run's stacked parameters, ``frontend/parameter_stacks.py``)."""
+    return (all(type(x) in (torch.Tensor, torch.nn.Parameter, FakeTensor) for x in tensors)
             and len({id(x) for x in tensors}) == len(tensors))
 
 

@@ -6,8 +6,10 @@ replaced, a view of a user's tensor) read as they are on every call."""
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
+import weakref
 
 import pytest
 import torch
@@ -140,3 +142,21 @@ def test_inference_under_no_grad_reads_the_stack_without_copies(stacked, cache_d
             torch.testing.assert_close(compiled(tokens), model(tokens))
     copies = tpucompile.stats()["total"]["stack_copies"] - before
     assert copies == (len(list(model.blocks[0].parameters())) if stacked else 0)
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_a_deleted_models_stacked_buffers_go_with_the_model(grad, cache_dir):
+    """The compiled graph outlives the model (Dynamo keeps it), but not the buffers its parameters became
+    views of: they go with the parameters."""
+    model = _gpt()
+    compiled = _compiled(model, True)
+    tokens = _tokens(3)
+    with torch.set_grad_enabled(grad):
+        out = compiled(tokens, tokens) if grad else compiled(tokens)
+    if grad:
+        out.backward()
+    memory = weakref.ref(model.blocks[0].attn.qkv.weight.untyped_storage())
+    assert model.blocks[1].attn.qkv.weight.untyped_storage() is memory()  # a row of the stack
+    del model, compiled, out
+    gc.collect()
+    assert memory() is None

@@ -8,8 +8,8 @@ parameters that are graph inputs is replaced by one input, the stack itself, and
 with a buffer whose rows the parameters' ``.data`` are made views of on the first call: an optimiser's
 in-place update of a parameter writes into the buffer, so the next call finds it current and passes it again
 without a copy.
-The buffer is passed through ``_StackedParts``, whose backward hands each parameter its row of the stack's
-gradient as a view, so autograd fills ``.grad`` as before.
+Where gradients flow, the buffers are passed through ``_StackedParts``, whose backward hands each parameter
+its row of its stack's gradient as a view, so autograd fills ``.grad`` as before.
 
 A parameter that cannot be a view of a buffer of ours (a view of something else, one that shares its storage,
 an inference tensor) is left where it is and stacked by copy on each call, as the program did before; a
@@ -25,91 +25,85 @@ from typing import Any
 
 import torch
 import torch.fx
+from torch.utils.weak import WeakIdKeyDictionary
 
 from tpucompile.frontend.layer_rolling import LAYER_STACK_KEY, ROLLING_KEY
 from tpucompile.metrics import compile_stats
 
 
 class _StackedParts(torch.autograd.Function):
-    """The stack buffer as a function of the parameters that are its rows: forward returns the buffer (no copy),
-    backward gives each parameter its row of the gradient (a view)."""
+    """Each stack's buffer as a function of the parameters that are its rows: forward returns the buffers (no
+    copy), backward gives each parameter its row of its stack's gradient (a view). One function for every stack
+    of a graph, so a call pays for one autograd node."""
 
     @staticmethod
-    def forward(ctx: Any, buffer_holder: _Holder, *parts: torch.Tensor) -> torch.Tensor:
-        return buffer_holder.buffer.detach()
+    def forward(ctx: Any, held: _Buffers, *parts: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.rows = [buffer.shape[0] for buffer in held.buffers]
+        return tuple(buffer.detach() for buffer in held.buffers)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        return (None, *grad.unbind(0))
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
+        rows: list[Any] = [None]
+        for grad, count in zip(grads, ctx.rows, strict=True):
+            rows += [None] * count if grad is None else grad.unbind(0)
+        return tuple(rows)
 
 
 @dataclasses.dataclass
-class _Holder:
-    """A non-tensor argument of ``_StackedParts`` that carries the buffer (a tensor argument would be one of
-    the function's inputs, and returning it would make the output a view of it)."""
+class _Buffers:
+    """A non-tensor argument of ``_StackedParts`` that carries the buffers (as tensor arguments they would be
+    the function's inputs, and returning them would make the outputs views of them)."""
 
-    buffer: torch.Tensor
+    buffers: list[torch.Tensor]
 
 
 @dataclasses.dataclass
 class ParameterStack:
     """One rolled stack: the outer graph input positions of its layers' parameters, in layer order, and the
-    buffer their ``.data`` are views of (None until the first call)."""
+    buffer their ``.data`` are views of."""
 
     positions: tuple[int, ...]
     graph: str
     """The graph's name in ``tpucompile.stats()``, which counts the calls that stacked by copy."""
-    buffer: torch.Tensor | None = None
+    buffers: WeakIdKeyDictionary = dataclasses.field(default_factory=WeakIdKeyDictionary)
+    """The buffer, keyed by the first layer's parameter: it lives as long as that parameter does, never
+    longer (Dynamo keeps a compiled graph, and this stack, for the life of the process)."""
+    addresses: tuple[int, ...] = ()
+    """Where each row of the buffer starts: a parameter at its row's address is that row (Dynamo's guards
+    hold its shape, strides and dtype to the compiled graph's)."""
 
-    def value(self, args: Sequence[Any]) -> torch.Tensor:
-        """The stack for a call with the outer ``args``: the buffer the parameters are views of, homing them
-        first where they are not (a copy on that call only), through ``_StackedParts`` where gradients flow."""
+    def current(self, args: Sequence[Any]) -> torch.Tensor:
+        """The stack for a call with the outer ``args``: the buffer the parameters are views of, re-pointing
+        them first where they are not (a copy on that call only), or a copy where they cannot be."""
+        first = args[self.positions[0]]
+        buffer = self.buffers.get(first)
+        if buffer is not None and all(args[k].data_ptr() == address
+                                      for k, address in zip(self.positions, self.addresses, strict=True)):
+            return buffer
         parts = [args[k] for k in self.positions]
-        buffer = self.buffer
-        if buffer is None or not _rows_of(parts, buffer):
-            buffer = self._restack(parts)
-        if torch.is_grad_enabled() and any(part.requires_grad for part in parts):
-            return _StackedParts.apply(_Holder(buffer), *parts)
-        return buffer.detach()
-
-    def _restack(self, parts: list[torch.Tensor]) -> torch.Tensor:
         with torch.no_grad():
-            buffer = torch.stack([part.detach() for part in parts])
+            stacked = torch.stack([part.detach() for part in parts])
         compile_stats.record_stack_copy(self.graph)
-        if all(_homable(part, self.buffer) for part in parts):
+        if all(_homable(part, buffer) for part in parts):
             for row, part in enumerate(parts):
-                part.data = buffer[row]
-            self.buffer = buffer
-        return buffer
+                part.data = stacked[row]
+            self.buffers[first] = stacked
+            self.addresses = tuple(part.data_ptr() for part in parts)
+        return stacked
 
 
 def _homable(part: torch.Tensor, ours: torch.Tensor | None) -> bool:
-    """Whether ``part``'s ``.data`` may become a view of a buffer of ours: a leaf of a plain tensor type that
-    owns its whole storage or lies in our previous buffer (nothing else can see the memory it leaves)."""
+    """Whether ``part``'s ``.data`` may become a view of a buffer of ours: a leaf of a plain tensor type, not
+    on the meta device, that owns its whole storage or lies in our previous buffer (nothing else can see the
+    memory it leaves)."""
     if type(part) not in (torch.Tensor, torch.nn.Parameter) or part.grad_fn is not None or part.is_inference():
         return False
-    if part.is_meta:
-        return True
-    if part._base is not None:
+    if part.is_meta or part._base is not None:
         return False
     storage = part.untyped_storage()
-    if ours is not None and not ours.is_meta and storage.data_ptr() == ours.untyped_storage().data_ptr():
+    if ours is not None and storage.data_ptr() == ours.untyped_storage().data_ptr():
         return True
     return storage.nbytes() == part.numel() * part.element_size() and part.is_contiguous()
-
-
-def _rows_of(parts: list[torch.Tensor], buffer: torch.Tensor) -> bool:
-    """Whether each of ``parts`` is still row ``i`` of ``buffer`` (same memory, shape, strides, dtype)."""
-    if buffer.is_meta:  # no memory to share: any stack of the right shape serves
-        return all(part.is_meta for part in parts)
-    storage = buffer.untyped_storage().data_ptr()
-    row_stride = buffer.stride(0)
-    strides = buffer.stride()[1:]
-    for row, part in enumerate(parts):
-        if (part.untyped_storage().data_ptr() != storage or part.storage_offset() != row * row_stride
-                or part.stride() != strides or part.dtype != buffer.dtype):
-            return False
-    return True
 
 
 @dataclasses.dataclass
@@ -119,16 +113,25 @@ class StackedInputs:
     kept: tuple[int, ...]
     stacks: tuple[ParameterStack, ...]
     examples: tuple[Any, ...]
-    """Each stack's example value (a fake tensor of Dynamo's trace): the compile traces with these, so it
-    neither copies the weights nor homes them before the graph has compiled."""
+    """Each stack's example value, a fake tensor of Dynamo's trace (so AOTAutograd keeps its sizes static and
+    the plan describes it as the plain tensor it stands for): the compile neither copies the weights nor
+    re-points them before the graph has compiled."""
+    differentiable: bool = False
+    """Whether the graph was compiled with gradients flowing to the stacks (Dynamo's guards hold the grad
+    mode and the parameters' ``requires_grad`` to the compile's, so every call of this graph is alike)."""
 
     def inner_examples(self, example_inputs: Sequence[Any]) -> list[Any]:
-        """The compiled graph's example inputs for the outer ``example_inputs``."""
+        """The compiled graph's example inputs for the outer ``example_inputs``; notes whether gradients flow."""
+        self.differentiable = torch.is_grad_enabled() and any(example.requires_grad for example in self.examples)
         return [example_inputs[k] for k in self.kept] + list(self.examples)
 
     def inner(self, args: Sequence[Any]) -> list[Any]:
         """The compiled graph's arguments for a call with the outer ``args``."""
-        return [args[k] for k in self.kept] + [stack.value(args) for stack in self.stacks]
+        buffers = [stack.current(args) for stack in self.stacks]
+        if self.differentiable:
+            parts = [args[k] for stack in self.stacks for k in stack.positions]
+            buffers = list(_StackedParts.apply(_Buffers(buffers), *parts))
+        return [args[k] for k in self.kept] + buffers
 
     def wrap(self, compiled: Callable[..., Any]) -> Callable[..., Any]:
         """``compiled`` (a function of the inner arguments) as a function of the outer ones."""
