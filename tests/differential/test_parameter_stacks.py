@@ -160,3 +160,28 @@ def test_a_deleted_models_stacked_buffers_go_with_the_model(grad, cache_dir):
     del model, compiled, out
     gc.collect()
     assert memory() is None
+
+
+def test_two_models_of_one_class_share_the_graph_and_each_keeps_its_own_stacks(cache_dir):
+    """Their parameters are the inputs of the graph Dynamo compiles once for both: calls that alternate
+    between them copy nothing after each model's first."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    first, second = _gpt(), _gpt()
+    with torch.no_grad():
+        for p in second.parameters():
+            p.mul_(0.5)
+    options = {"roll_layers": True, "cache_mode": "off"}
+    compiled = [torch.compile(model, backend="tpucompile", options=options) for model in (first, second)]
+    tokens = _tokens(4)
+    before = tpucompile.stats()["total"]
+    for _ in range(3):
+        for model, run in zip((first, second), compiled, strict=True):
+            with torch.no_grad():
+                torch.testing.assert_close(run(tokens), model(tokens))
+    after = tpucompile.stats()["total"]
+    kinds = len(list(first.blocks[0].parameters()))
+    assert after["stack_copies"] - before["stack_copies"] == 2 * kinds
+    assert counters["stats"]["unique_graphs"] == 1

@@ -7,14 +7,15 @@ backward's gradient of the stack is sliced back into one gradient per layer. Her
 parameters that are graph inputs is replaced by one input, the stack itself, and the compiled graph is called
 with a buffer whose rows the parameters' ``.data`` are made views of on the first call: an optimiser's
 in-place update of a parameter writes into the buffer, so the next call finds it current and passes it again
-without a copy.
-Where gradients flow, the buffers are passed through ``_StackedParts``, whose backward hands each parameter
-its row of its stack's gradient as a view, so autograd fills ``.grad`` as before.
+without a copy. Where gradients flow, the buffers are passed through ``_StackedParts``, whose backward hands
+each parameter its row of its stack's gradient as a view, so autograd fills ``.grad`` as before.
 
 A parameter that cannot be a view of a buffer of ours (a view of something else, one that shares its storage,
 an inference tensor) is left where it is and stacked by copy on each call, as the program did before; a
-parameter whose ``.data`` was replaced since (``load_state_dict(assign=True)``, ``module.to(...)``) is homed
-again on the next call. Sharded programs keep the stack in the graph, where the plan's shardings annotate it.
+parameter whose ``.data`` was replaced since (``load_state_dict(assign=True)``, ``module.to(...)``) is
+re-pointed again on the next call. Two models of one class share a compiled graph (their parameters are its
+inputs), so a stack keeps one buffer per model. Sharded programs keep the stack in the graph, where the
+plan's shardings annotate it.
 """
 
 from __future__ import annotations
@@ -66,33 +67,31 @@ class ParameterStack:
     graph: str
     """The graph's name in ``tpucompile.stats()``, which counts the calls that stacked by copy."""
     buffers: WeakIdKeyDictionary = dataclasses.field(default_factory=WeakIdKeyDictionary)
-    """The buffer, keyed by the first layer's parameter: it lives as long as that parameter does, never
-    longer (Dynamo keeps a compiled graph, and this stack, for the life of the process)."""
-    addresses: tuple[int, ...] = ()
-    """Where each row of the buffer starts: a parameter at its row's address is that row (Dynamo's guards
-    hold its shape, strides and dtype to the compiled graph's)."""
+    """Per model, keyed by its first layer's parameter: the buffer, and where each of its rows starts (a
+    parameter at its row's address is that row: Dynamo's guards hold its shape, strides and dtype to the
+    compiled graph's). An entry lives as long as that parameter does, never longer (Dynamo keeps a compiled
+    graph, and this stack, for the life of the process)."""
 
     def current(self, args: Sequence[Any]) -> torch.Tensor:
         """The stack for a call with the outer ``args``: the buffer the parameters are views of, re-pointing
         them first where they are not (a copy on that call only), or a copy where they cannot be."""
         first = args[self.positions[0]]
-        buffer = self.buffers.get(first)
+        buffer, addresses = self.buffers.get(first, (None, ()))
         if buffer is not None and all(args[k].data_ptr() == address
-                                      for k, address in zip(self.positions, self.addresses, strict=True)):
+                                      for k, address in zip(self.positions, addresses, strict=True)):
             return buffer
         parts = [args[k] for k in self.positions]
         with torch.no_grad():
             stacked = torch.stack([part.detach() for part in parts])
         compile_stats.record_stack_copy(self.graph)
-        if all(_homable(part, buffer) for part in parts):
+        if all(_re_pointable(part, buffer) for part in parts):
             for row, part in enumerate(parts):
                 part.data = stacked[row]
-            self.buffers[first] = stacked
-            self.addresses = tuple(part.data_ptr() for part in parts)
+            self.buffers[first] = (stacked, tuple(part.data_ptr() for part in parts))
         return stacked
 
 
-def _homable(part: torch.Tensor, ours: torch.Tensor | None) -> bool:
+def _re_pointable(part: torch.Tensor, ours: torch.Tensor | None) -> bool:
     """Whether ``part``'s ``.data`` may become a view of a buffer of ours: a leaf of a plain tensor type, not
     on the meta device, that owns its whole storage or lies in our previous buffer (nothing else can see the
     memory it leaves)."""
