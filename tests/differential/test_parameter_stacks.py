@@ -7,61 +7,36 @@ replaced, a view of a user's tensor) read as they are on every call."""
 from __future__ import annotations
 
 import gc
-import os
-import sys
 import weakref
 
 import pytest
 import torch
 
 import tpucompile
+from tests.differential.gpt_steps import sgd_steps, small_gpt
+from tests.differential.gpt_steps import tokens as batch_of_tokens
 from tpucompile import driver
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                                "examples"))
-
-from mingpt import GPT, GPTConfig
 
 LAYERS = 3
 
 
-def _gpt() -> GPT:
-    torch.manual_seed(0)
-    return GPT(GPTConfig(n_layer=LAYERS, n_embd=32, n_head=4, vocab_size=64, block_size=16))
-
-
-def _tokens(seed: int) -> torch.Tensor:
-    return torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(seed))
-
-
-def _compiled(model: GPT, stacked: bool) -> torch.nn.Module:
+def _compiled(model, stacked: bool) -> torch.nn.Module:
     return torch.compile(model, backend="tpucompile", options={"roll_layers": True, "stacked_parameters": stacked,
                                                                "cache_mode": "off"})
 
 
-def _train(stacked: bool | None) -> tuple[list[torch.Tensor], dict, dict, list, GPT, int]:
-    """Three SGD steps with momentum, the last two accumulating two micro-batches (None: eager): losses, final
-    weights and gradients, the programs compiled, the model, and the calls that stacked by copy."""
-    model = _gpt()
+def _train(stacked: bool | None):
+    """``gpt_steps``' training run (None: eager): losses, final weights and gradients, the programs compiled by
+    role, the model, and the calls that stacked by copy."""
+    model = small_gpt(LAYERS)
     run = model if stacked is None else _compiled(model, stacked)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     events: list = []
     remove = driver.add_observer(events.append)
     copies_before = tpucompile.stats()["total"]["stack_copies"]
-    losses = []
     try:
-        for step in range(3):
-            optimizer.zero_grad(set_to_none=step != 1)  # step 1 accumulates into gradients zeroed in place
-            for micro in range(1 + (step > 0)):
-                tokens = _tokens(10 * step + micro)
-                loss = run(tokens, tokens)
-                loss.backward()
-                losses.append(loss.detach())
-            optimizer.step()
+        losses, weights, grads = sgd_steps(model, run)
     finally:
         remove()
-    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
-    weights = {name: p.detach().clone() for name, p in model.named_parameters()}
     copies = tpucompile.stats()["total"]["stack_copies"] - copies_before
     return losses, weights, grads, {e.name.rsplit("(", 1)[-1].rstrip(")"): e.program for e in events}, model, copies
 
@@ -88,9 +63,9 @@ def test_stacked_once_trains_like_stacked_per_call_and_like_eager(cache_dir):
 
 
 def test_parameters_replaced_or_updated_outside_the_step_are_read_as_they_are(cache_dir):
-    model = _gpt()
+    model = small_gpt(LAYERS)
     compiled = _compiled(model, True)
-    tokens = _tokens(1)
+    tokens = batch_of_tokens(1)
     torch.testing.assert_close(compiled(tokens, tokens), model(tokens, tokens))
     weight = model.blocks[1].attn.qkv.weight
     with torch.no_grad():
@@ -109,14 +84,14 @@ def test_parameters_replaced_or_updated_outside_the_step_are_read_as_they_are(ca
 
 
 def test_a_parameter_that_views_a_users_tensor_stays_a_view_and_is_read_on_every_call(cache_dir):
-    model = _gpt()
+    model = small_gpt(LAYERS)
     weight = model.blocks[2].mlp[0].weight
     flat = torch.zeros(weight.numel() + 8)
     with torch.no_grad():
         flat[8:].copy_(weight.reshape(-1))
     weight.data = flat[8:].view(weight.shape)  # the user's own tensor holds this layer's weight
     compiled = _compiled(model, True)
-    tokens = _tokens(2)
+    tokens = batch_of_tokens(2)
     for scale in (1.0, 0.25):
         with torch.no_grad():
             flat.mul_(scale)
@@ -124,7 +99,7 @@ def test_a_parameter_that_views_a_users_tensor_stays_a_view_and_is_read_on_every
         assert weight.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
     loss = compiled(tokens, tokens)
     loss.backward()
-    model_eager = _gpt()
+    model_eager = small_gpt(LAYERS)
     model_eager.load_state_dict(model.state_dict())
     model_eager(tokens, tokens).backward()
     for (name, p), q in zip(model.named_parameters(), model_eager.parameters(), strict=True):
@@ -133,12 +108,12 @@ def test_a_parameter_that_views_a_users_tensor_stays_a_view_and_is_read_on_every
 
 @pytest.mark.parametrize("stacked", [True, False])
 def test_inference_under_no_grad_reads_the_stack_without_copies(stacked, cache_dir):
-    model = _gpt().eval()
+    model = small_gpt(LAYERS).eval()
     compiled = _compiled(model, stacked)
     before = tpucompile.stats()["total"]["stack_copies"]
     with torch.no_grad():
         for seed in range(3):
-            tokens = _tokens(seed)
+            tokens = batch_of_tokens(seed)
             torch.testing.assert_close(compiled(tokens), model(tokens))
     copies = tpucompile.stats()["total"]["stack_copies"] - before
     assert copies == (len(list(model.blocks[0].parameters())) if stacked else 0)
@@ -148,9 +123,9 @@ def test_inference_under_no_grad_reads_the_stack_without_copies(stacked, cache_d
 def test_a_deleted_models_stacked_buffers_go_with_the_model(grad, cache_dir):
     """The compiled graph outlives the model (Dynamo keeps it), but not the buffers its parameters became
     views of: they go with the parameters."""
-    model = _gpt()
+    model = small_gpt(LAYERS)
     compiled = _compiled(model, True)
-    tokens = _tokens(3)
+    tokens = batch_of_tokens(3)
     with torch.set_grad_enabled(grad):
         out = compiled(tokens, tokens) if grad else compiled(tokens)
     if grad:
@@ -169,13 +144,13 @@ def test_two_models_of_one_class_share_the_graph_and_each_keeps_its_own_stacks(c
 
     torch._dynamo.reset()
     counters.clear()
-    first, second = _gpt(), _gpt()
+    first, second = small_gpt(LAYERS), small_gpt(LAYERS)
     with torch.no_grad():
         for p in second.parameters():
             p.mul_(0.5)
     options = {"roll_layers": True, "cache_mode": "off"}
     compiled = [torch.compile(model, backend="tpucompile", options=options) for model in (first, second)]
-    tokens = _tokens(4)
+    tokens = batch_of_tokens(4)
     before = tpucompile.stats()["total"]
     for _ in range(3):
         for model, run in zip((first, second), compiled, strict=True):

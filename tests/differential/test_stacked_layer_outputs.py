@@ -6,44 +6,25 @@ once outside it (``test_parameter_stacks.py``), which is the form whose gradient
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 import torch
 
+from tests.differential.gpt_steps import sgd_steps, small_gpt
 from tpucompile import driver
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                                "examples"))
 
-from mingpt import GPT, GPTConfig
-
-
-def _steps(stacked: bool | None, seed: int = 0):
-    """Three SGD steps of a 3-layer GPT, two of them accumulating two micro-batches: the losses, the final
-    weights and gradients, and the backward programs (None: eager)."""
-    torch.manual_seed(seed)
-    model = GPT(GPTConfig(n_layer=3, n_embd=32, n_head=4, vocab_size=64, block_size=16))
+def _steps(stacked: bool | None):
+    """``gpt_steps``' training run of a 3-layer GPT: the losses, the final weights and gradients, the backward
+    programs (None: eager), and the model."""
+    model = small_gpt(3)
     run = model if stacked is None else torch.compile(model, backend="tpucompile", options={
         "roll_layers": True, "stacked_layer_outputs": stacked, "stacked_parameters": False, "cache_mode": "off"})
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     events: list = []
     remove = driver.add_observer(events.append)
-    losses = []
     try:
-        for step in range(3):
-            optimizer.zero_grad(set_to_none=step != 1)  # step 1 accumulates into the views zeroed in place
-            for micro in range(1 + (step > 0)):
-                tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(10 * step + micro))
-                loss = run(tokens, tokens)
-                loss.backward()
-                losses.append(loss.detach())
-            optimizer.step()
+        losses, weights, grads = sgd_steps(model, run)
     finally:
         remove()
-    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
-    weights = {name: p.detach().clone() for name, p in model.named_parameters()}
     backwards = [e.program for e in events if e.name.endswith("(backward)")]
     return losses, weights, grads, backwards, model
 
@@ -69,8 +50,7 @@ def test_stacked_gradients_are_views_of_one_result_and_train_like_per_layer_resu
 @pytest.mark.parametrize("layers, folded", [(3, True), (1, False)])
 def test_only_every_layer_of_a_stack_folds(layers, folded, cache_dir):
     """One layer rolls nothing; the plain outputs keep a result each."""
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(n_layer=layers, n_embd=32, n_head=4, vocab_size=64, block_size=16))
+    model = small_gpt(layers)
     compiled = torch.compile(model, backend="tpucompile", options={"roll_layers": True, "stacked_parameters": False,
                                                                    "cache_mode": "off"})
     events: list = []
