@@ -160,3 +160,24 @@ def test_two_models_of_one_class_share_the_graph_and_each_keeps_its_own_stacks(c
     kinds = len(list(first.blocks[0].parameters()))
     assert after["stack_copies"] - before["stack_copies"] == 2 * kinds
     assert counters["stats"]["unique_graphs"] == 1
+
+
+def test_frozen_stacks_beside_trained_ones_train_like_eager(cache_dir):
+    """Layer norms frozen (``requires_grad=False``), the rest trained: the frozen stacks get no gradient and
+    the others the eager ones."""
+    results = []
+    for compiled in (True, False):
+        model = small_gpt(LAYERS)
+        for name, p in model.named_parameters():
+            p.requires_grad_(".ln_" not in name)
+        run = _compiled(model, True) if compiled else model
+        batch = batch_of_tokens(5)
+        run(batch, batch).backward()
+        results.append({name: p.grad for name, p in model.named_parameters()})
+    ours, eager = results
+    for name, grad in eager.items():
+        if grad is None:
+            assert ours[name] is None, name
+        else:
+            torch.testing.assert_close(ours[name], grad, rtol=2e-4, atol=2e-5, msg=name)
+    assert sum(g is None for g in eager.values()) == 4 * LAYERS

@@ -115,21 +115,25 @@ class StackedInputs:
     """Each stack's example value, a fake tensor of Dynamo's trace (so AOTAutograd keeps its sizes static and
     the plan describes it as the plain tensor it stands for): the compile neither copies the weights nor
     re-points them before the graph has compiled."""
-    differentiable: bool = False
-    """Whether the graph was compiled with gradients flowing to the stacks (Dynamo's guards hold the grad
-    mode and the parameters' ``requires_grad`` to the compile's, so every call of this graph is alike)."""
+    trained: tuple[int, ...] = ()
+    """The stacks the graph was compiled to give gradients to (Dynamo's guards hold the grad mode and the
+    parameters' ``requires_grad`` to the compile's, so every call of this graph is alike); a frozen stack is
+    passed as its buffer alone."""
 
     def inner_examples(self, example_inputs: Sequence[Any]) -> list[Any]:
-        """The compiled graph's example inputs for the outer ``example_inputs``; notes whether gradients flow."""
-        self.differentiable = torch.is_grad_enabled() and any(example.requires_grad for example in self.examples)
+        """The compiled graph's example inputs for the outer ``example_inputs``; notes which stacks train."""
+        if torch.is_grad_enabled():
+            self.trained = tuple(i for i, example in enumerate(self.examples) if example.requires_grad)
         return [example_inputs[k] for k in self.kept] + list(self.examples)
 
     def inner(self, args: Sequence[Any]) -> list[Any]:
         """The compiled graph's arguments for a call with the outer ``args``."""
         buffers = [stack.current(args) for stack in self.stacks]
-        if self.differentiable:
-            parts = [args[k] for stack in self.stacks for k in stack.positions]
-            buffers = list(_StackedParts.apply(_Buffers(buffers), *parts))
+        if self.trained:
+            parts = [args[k] for i in self.trained for k in self.stacks[i].positions]
+            differentiable = _StackedParts.apply(_Buffers([buffers[i] for i in self.trained]), *parts)
+            for i, buffer in zip(self.trained, differentiable, strict=True):
+                buffers[i] = buffer
         return [args[k] for k in self.kept] + buffers
 
     def wrap(self, compiled: Callable[..., Any]) -> Callable[..., Any]:
