@@ -112,7 +112,7 @@ def roll_repeated_layers(gm: torch.fx.GraphModule) -> Rolling:
                     notes.append(f"unrolled {span}: {plan}")
                     continue
                 if unrolled is None:
-                    unrolled = _graph_copy(gm)
+                    unrolled = graph_copy(gm)
                 replaced = _rewrite(gm, plan, f"rolled_layers_{rolled}")
                 rolled += 1
                 for layer in layers:  # a later run may read this one's values, which now come out of the loop
@@ -131,9 +131,10 @@ def roll_repeated_layers(gm: torch.fx.GraphModule) -> Rolling:
     return Rolling(notes, unrolled)
 
 
-def _graph_copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """A copy of ``gm``'s graph (its nodes' meta shared) over the same module, which rewrites of ``gm`` leave
-    as it is."""
+def graph_copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy of ``gm``'s graph (its nodes' meta shared) over the same module: rewriting either leaves the other
+    as it is (the unrolled graph kept for a failed loop; the graph whose stacks ``parameter_stacks`` takes
+    out)."""
     graph = torch.fx.Graph()
     graph._codegen = gm.graph._codegen
     graph.output(graph.graph_copy(gm.graph, {}))

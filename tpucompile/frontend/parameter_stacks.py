@@ -28,7 +28,7 @@ import torch
 import torch.fx
 from torch.utils.weak import WeakIdKeyDictionary
 
-from tpucompile.frontend.layer_rolling import LAYER_STACK_KEY, ROLLING_KEY
+from tpucompile.frontend.layer_rolling import LAYER_STACK_KEY, ROLLING_KEY, graph_copy
 from tpucompile.metrics import compile_stats
 
 
@@ -142,7 +142,6 @@ class StackedInputs:
         def run(*args: Any) -> Any:
             return compiled(*self.inner(args))
 
-        run.parameter_stacks = self  # type: ignore[attr-defined]
         return run
 
 
@@ -154,10 +153,8 @@ def take_out_parameter_stacks(gm: torch.fx.GraphModule, example_inputs: Sequence
     Dynamo's graph, whose inputs Dynamo reads back after the compile, so it keeps its own."""
     if not any(node.meta.get(LAYER_STACK_KEY) for node in gm.graph.nodes):
         return None
-    graph = torch.fx.Graph()
-    graph._codegen = gm.graph._codegen
-    copies: dict[torch.fx.Node, torch.fx.Node] = {}
-    graph.output(graph.graph_copy(gm.graph, copies))
+    inner = graph_copy(gm)
+    graph = inner.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     position = {node: k for k, node in enumerate(placeholders)}
     found: list[tuple[torch.fx.Node, list[torch.fx.Node], list[torch.fx.Node]]] = []
@@ -190,8 +187,7 @@ def take_out_parameter_stacks(gm: torch.fx.GraphModule, example_inputs: Sequence
         taken.update(position[s] for s in sources)
         notes.append(f"stacked once: {sources[0].name} .. {sources[-1].name} ({len(sources)} layers)")
     graph.lint()
-    inner = torch.fx.GraphModule(gm, graph)
-    inner.meta.update(gm.meta)
+    inner.recompile()
     inner.meta[ROLLING_KEY] = [*gm.meta.get(ROLLING_KEY, []), *notes]
     kept = tuple(k for k in range(len(placeholders)) if k not in taken)
     return inner, StackedInputs(kept, tuple(stacks), tuple(examples))
