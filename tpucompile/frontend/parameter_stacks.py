@@ -115,15 +115,13 @@ class StackedInputs:
     """Each stack's example value, a fake tensor of Dynamo's trace (so AOTAutograd keeps its sizes static and
     the plan describes it as the plain tensor it stands for): the compile neither copies the weights nor
     re-points them before the graph has compiled."""
-    trained: tuple[int, ...] = ()
-    """The stacks the graph was compiled to give gradients to (Dynamo's guards hold the grad mode and the
+    trained: tuple[int, ...]
+    """The stacks the graph is compiled to give gradients to (Dynamo's guards hold the grad mode and the
     parameters' ``requires_grad`` to the compile's, so every call of this graph is alike); a frozen stack is
     passed as its buffer alone."""
 
     def inner_examples(self, example_inputs: Sequence[Any]) -> list[Any]:
-        """The compiled graph's example inputs for the outer ``example_inputs``; notes which stacks train."""
-        if torch.is_grad_enabled():
-            self.trained = tuple(i for i, example in enumerate(self.examples) if example.requires_grad)
+        """The compiled graph's example inputs for the outer ``example_inputs``."""
         return [example_inputs[k] for k in self.kept] + list(self.examples)
 
     def inner(self, args: Sequence[Any]) -> list[Any]:
@@ -149,8 +147,9 @@ def take_out_parameter_stacks(gm: torch.fx.GraphModule, example_inputs: Sequence
                               ) -> tuple[torch.fx.GraphModule, StackedInputs] | None:
     """A copy of ``gm`` in which each in-graph stack of the rolled layers' parameters (graph inputs that are
     ``nn.Parameter``\\ s read by nothing else) is a graph input of its own, appended after the others, and how
-    to call it; None when there is none. ``name`` is the graph's in ``tpucompile.stats()``. ``gm`` itself is
-    Dynamo's graph, whose inputs Dynamo reads back after the compile, so it keeps its own."""
+    to call it, for a compile in the present grad mode; None when there is none. ``name`` is the graph's in
+    ``tpucompile.stats()``. ``gm`` itself is Dynamo's graph, whose inputs Dynamo reads back after the compile,
+    so it keeps its own."""
     if not any(node.meta.get(LAYER_STACK_KEY) for node in gm.graph.nodes):
         return None
     inner = graph_copy(gm)
@@ -190,7 +189,9 @@ def take_out_parameter_stacks(gm: torch.fx.GraphModule, example_inputs: Sequence
     inner.recompile()
     inner.meta[ROLLING_KEY] = [*gm.meta.get(ROLLING_KEY, []), *notes]
     kept = tuple(k for k in range(len(placeholders)) if k not in taken)
-    return inner, StackedInputs(kept, tuple(stacks), tuple(examples))
+    trained = tuple(i for i, example in enumerate(examples) if example.requires_grad) \
+        if torch.is_grad_enabled() else ()
+    return inner, StackedInputs(kept, tuple(stacks), tuple(examples), trained)
 
 
 def _stackable(source: Any, row: torch.fx.Node, example_inputs: Sequence[Any],
